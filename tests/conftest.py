@@ -1,0 +1,15 @@
+"""Shared fixtures: the demo model is written once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A demo pipeline directory written by the product's own writer (read-only for tests)."""
+    from dlo_worker.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)

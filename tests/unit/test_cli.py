@@ -1,0 +1,207 @@
+"""The dlo-worker command line: flags map onto the configuration; errors are one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dlo_worker.cli import build_parser, main
+from dlo_worker.config import NEGATIVE_FLAGS, ModelOptions, OffloadOptions, ParallelOptions
+
+DESIGN_DOC_FLAGS = [
+    "--enable-distributed-layerwise-offload",
+    "--dlo-no-use-allgather",
+    "--dlo-resident-layers",
+    "--dlo-enable-runtime-cache",
+    "--dlo-runtime-cache-root",
+    "--dlo-runtime-cache-lock-timeout",
+    "--dlo-runtime-cache-pin-limit-gib",
+    "--data-parallel-size",
+    "--sequence-parallel-size",
+    "--tensor-parallel-size",
+    "--use-hsdp",
+    "--quantization",
+]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def option_strings(subcommand: str) -> set[str]:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command")
+    return {
+        flag for action in subparsers.choices[subcommand]._actions for flag in action.option_strings
+    }
+
+
+@pytest.mark.parametrize("subcommand", ["config", "generate"])
+def test_every_config_field_has_exactly_its_flag(subcommand: str) -> None:
+    flags = option_strings(subcommand)
+    for model in (ModelOptions, ParallelOptions, OffloadOptions):
+        for name in model.model_fields:
+            assert "--" + name.replace("_", "-") in flags
+            if name in NEGATIVE_FLAGS:
+                assert NEGATIVE_FLAGS[name] in flags
+    assert set(DESIGN_DOC_FLAGS) <= flags
+
+
+def test_config_prints_effective_configuration_as_json(capsys) -> None:
+    code, out, _ = run(
+        capsys,
+        "config",
+        "--enable-distributed-layerwise-offload",
+        "--data-parallel-size",
+        "2",
+        "--sequence-parallel-size",
+        "2",
+    )
+    assert code == 0
+    report = json.loads(out)
+    assert report["config"]["parallel"]["data_parallel_size"] == 2
+    assert report["effective"]["dlo_sharding_group"] == "data-parallel"
+    assert report["effective"]["dlo_sharding_size"] == 2
+    assert report["effective"]["transfer_mode"] == "allgather"
+    assert report["effective"]["host_backing_candidates"] == ["checkpoint-mmap", "ordinary"]
+
+
+def test_no_allgather_flag_forces_sharding_size_one(capsys) -> None:
+    code, out, _ = run(
+        capsys,
+        "config",
+        "--enable-distributed-layerwise-offload",
+        "--dlo-no-use-allgather",
+        "--data-parallel-size",
+        "4",
+        "--dlo-resident-layers",
+        "2",
+    )
+    effective = json.loads(out)["effective"]
+    assert code == 0
+    assert (effective["dlo_sharding_size"], effective["transfer_mode"]) == (1, "rank-local")
+    assert effective["dlo_resident_layers"] == 2
+
+
+def test_invalid_combination_exits_2_with_one_line(capsys) -> None:
+    code, out, err = run(
+        capsys,
+        "config",
+        "--enable-distributed-layerwise-offload",
+        "--use-hsdp",
+        "--sequence-parallel-size",
+        "2",
+    )
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("dlo-worker config: error: --use-hsdp")
+    assert "--dlo-no-use-allgather" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--dlo-runtime-cache-lock-timeout", "nan"], "--dlo-runtime-cache-lock-timeout"),
+        (["--data-parallel-size", "two"], "--data-parallel-size"),
+        (["--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--no-such-flag"], "--no-such-flag"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_naming_the_flag(capsys, argv, named) -> None:
+    code, _, err = run(capsys, "config", "--enable-distributed-layerwise-offload", *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1
+    assert named in err
+
+
+def test_dlo_takes_priority_warning_is_logged(capsys) -> None:
+    code, out, err = run(
+        capsys, "config", "--enable-distributed-layerwise-offload", "--enable-cpu-offload"
+    )
+    assert code == 0
+    assert json.loads(out)["effective"]["offload_policy"] == "dlo"
+    assert "level=warning" in err
+    assert "--enable-cpu-offload is disabled" in err
+
+
+def test_generate_requires_model(capsys, tmp_path) -> None:
+    code, _, err = run(capsys, "generate", "--out", str(tmp_path / "x.png"))
+    assert code == 2
+    assert "--model is required" in err
+
+
+def test_generate_rejects_missing_model_directory(capsys, tmp_path) -> None:
+    missing = tmp_path / "nowhere"
+    code, _, err = run(
+        capsys, "generate", "--model", str(missing), "--out", str(tmp_path / "x.png")
+    )
+    assert code == 2
+    assert f"--model {missing}: no such directory" in err
+    assert "dlo-worker demo-model" in err
+
+
+def test_generate_rejects_a_directory_without_model_index(capsys, tmp_path) -> None:
+    code, _, err = run(
+        capsys, "generate", "--model", str(tmp_path), "--out", str(tmp_path / "x.png")
+    )
+    assert code == 2
+    assert "no model_index.json" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--steps", "0"], "--steps"),
+        (["--guidance-scale", "inf"], "--guidance-scale"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--out", "x.png", *argv)
+    assert code == 2
+    assert named in err
+
+
+def test_invalid_combination_fails_before_torch_is_imported(tmp_path) -> None:
+    probe = (
+        "import sys\n"
+        "from dlo_worker.cli import main\n"
+        "code = main(['generate', '--model', sys.argv[1], '--out', 'x.png',\n"
+        "             '--enable-distributed-layerwise-offload', '--dlo-resident-layers', '1'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported before validation'\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--dlo-resident-layers requires --dlo-no-use-allgather" in result.stderr
+
+
+def test_console_script_reports_version() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dlo_worker", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert result.stdout.startswith("dlo-worker ")
+
+
+def test_configuration_doc_lists_every_option_and_its_flag() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for model in (ModelOptions, ParallelOptions, OffloadOptions):
+        for name in model.model_fields:
+            assert f"| `{name}` | `--{name.replace('_', '-')}`" in doc, name

@@ -1,0 +1,285 @@
+"""Every validation rule of the worker configuration, one behaviour per test."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from dlo_worker.config import (
+    ConfigError,
+    HostBacking,
+    OffloadPolicy,
+    ParallelOptions,
+    ShardingGroup,
+    TransferMode,
+    WorkerConfig,
+    build_config,
+    dlo_sharding_group,
+)
+
+DLO = {"enable_distributed_layerwise_offload": True}
+NO_ALLGATHER = {**DLO, "dlo_use_allgather": False}
+
+
+def config(
+    parallel: dict[str, Any] | None = None,
+    offload: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+) -> WorkerConfig:
+    return build_config(
+        {"model": model or {}, "parallel": parallel or {}, "offload": offload or {}}
+    )
+
+
+def rejected(**groups: dict[str, Any]) -> str:
+    with pytest.raises(ConfigError) as error:
+        config(**groups)
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_match_the_design_doc() -> None:
+    offload = WorkerConfig().offload
+    assert offload.dlo_use_allgather is True
+    assert offload.dlo_resident_layers == 0
+    assert offload.dlo_enable_runtime_cache is False
+    assert offload.dlo_runtime_cache_pin_limit_gib == 0
+    assert offload.dlo_runtime_cache_lock_timeout > 0
+    assert WorkerConfig().effective().offload_policy == OffloadPolicy.NONE
+
+
+def test_config_module_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    probe = "import sys, dlo_worker.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_hsdp_with_allgather_is_rejected() -> None:
+    message = rejected(parallel={"sequence_parallel_size": 2, "use_hsdp": True}, offload=DLO)
+    assert "--use-hsdp" in message
+    assert "--dlo-no-use-allgather" in message
+
+
+def test_hsdp_with_allgather_is_rejected_even_without_a_sharding_group() -> None:
+    message = rejected(parallel={"use_hsdp": True}, offload=DLO)
+    assert "--use-hsdp" in message
+
+
+@pytest.mark.parametrize("method", ["fp8-blockwise", "int8", "nf4"])
+def test_quantization_other_than_per_tensor_fp8_with_allgather_is_rejected(method: str) -> None:
+    message = rejected(model={"quantization": method}, offload=DLO)
+    assert f"--quantization {method}" in message
+    assert "--dlo-no-use-allgather" in message
+
+
+def test_per_tensor_fp8_with_allgather_is_accepted() -> None:
+    config({"data_parallel_size": 2}, DLO, {"quantization": "fp8"})
+
+
+def test_resident_layers_require_no_allgather() -> None:
+    message = rejected(offload={**DLO, "dlo_resident_layers": 2})
+    assert "--dlo-resident-layers" in message
+    assert "--dlo-no-use-allgather" in message
+
+
+def test_resident_layers_must_not_be_negative() -> None:
+    message = rejected(offload={**NO_ALLGATHER, "dlo_resident_layers": -1})
+    assert "--dlo-resident-layers" in message
+
+
+def test_resident_layers_are_reported_in_the_effective_config() -> None:
+    effective = config(offload={**NO_ALLGATHER, "dlo_resident_layers": 2}).effective()
+    assert effective.dlo_resident_layers == 2
+
+
+def test_runtime_cache_requires_no_allgather() -> None:
+    message = rejected(offload={**DLO, "dlo_enable_runtime_cache": True})
+    assert "--dlo-enable-runtime-cache" in message
+    assert "--dlo-no-use-allgather" in message
+
+
+@pytest.mark.parametrize("method", ["fp8", "fp8-blockwise", "int8", "nf4"])
+def test_runtime_cache_rejects_every_quantization(method: str) -> None:
+    message = rejected(
+        offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True}, model={"quantization": method}
+    )
+    assert "--dlo-enable-runtime-cache" in message
+    assert f"--quantization {method}" in message
+
+
+def test_runtime_cache_rejects_hsdp() -> None:
+    message = rejected(
+        parallel={"sequence_parallel_size": 2, "use_hsdp": True},
+        offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True},
+    )
+    assert "--dlo-enable-runtime-cache" in message
+    assert "--use-hsdp" in message
+
+
+def test_positive_pin_limit_requires_the_runtime_cache() -> None:
+    message = rejected(offload={**NO_ALLGATHER, "dlo_runtime_cache_pin_limit_gib": 4})
+    assert "--dlo-runtime-cache-pin-limit-gib" in message
+    assert "--dlo-enable-runtime-cache" in message
+
+
+def test_positive_pin_limit_with_runtime_cache_prefers_the_registered_cache() -> None:
+    effective = config(
+        offload={
+            **NO_ALLGATHER,
+            "dlo_enable_runtime_cache": True,
+            "dlo_runtime_cache_pin_limit_gib": 48,
+        }
+    ).effective()
+    assert effective.host_backing_candidates == [HostBacking.RUNTIME_CACHE, HostBacking.ORDINARY]
+
+
+def test_runtime_cache_without_budget_still_prefers_checkpoint_mmap() -> None:
+    effective = config(offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True}).effective()
+    assert effective.host_backing_candidates == [
+        HostBacking.CHECKPOINT_MMAP,
+        HostBacking.RUNTIME_CACHE,
+        HostBacking.ORDINARY,
+    ]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, "inf", "nan", "-inf"])
+@pytest.mark.parametrize(
+    "field", ["dlo_runtime_cache_lock_timeout", "dlo_runtime_cache_pin_limit_gib"]
+)
+def test_numbers_must_be_finite(field: str, value: object) -> None:
+    message = rejected(offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True, field: value})
+    assert "--" + field.replace("_", "-") in message
+    assert "finite" in message
+
+
+@pytest.mark.parametrize("value", [0, -1, -0.5])
+def test_lock_timeout_must_be_positive(value: float) -> None:
+    message = rejected(
+        offload={
+            **NO_ALLGATHER,
+            "dlo_enable_runtime_cache": True,
+            "dlo_runtime_cache_lock_timeout": value,
+        }
+    )
+    assert "--dlo-runtime-cache-lock-timeout must be > 0" in message
+
+
+def test_pin_limit_must_not_be_negative() -> None:
+    message = rejected(
+        offload={
+            **NO_ALLGATHER,
+            "dlo_enable_runtime_cache": True,
+            "dlo_runtime_cache_pin_limit_gib": -1,
+        }
+    )
+    assert "--dlo-runtime-cache-pin-limit-gib must be >= 0" in message
+
+
+@pytest.mark.parametrize("root", ["relative/cache", "/var/cache/../tmp"])
+def test_runtime_cache_root_must_be_absolute_and_normalized(root: str) -> None:
+    message = rejected(
+        offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True, "dlo_runtime_cache_root": root}
+    )
+    assert "--dlo-runtime-cache-root must be an absolute path" in message
+
+
+@pytest.mark.parametrize("size_field", ["data_parallel_size", "tensor_parallel_size"])
+def test_hsdp_with_dp_or_tp_is_rejected(size_field: str) -> None:
+    message = rejected(parallel={size_field: 2, "use_hsdp": True}, offload=NO_ALLGATHER)
+    assert "--use-hsdp" in message
+    assert "--" + size_field.replace("_", "-") in message
+
+
+def test_hsdp_with_sp_only_is_accepted_without_allgather() -> None:
+    effective = config(
+        {"sequence_parallel_size": 4, "use_hsdp": True, "hsdp_replicate_size": 2}, NO_ALLGATHER
+    ).effective()
+    assert effective.transfer_mode == TransferMode.RANK_LOCAL
+    assert effective.host_backing_candidates == [HostBacking.ORDINARY]
+
+
+def test_hsdp_sizes_must_multiply_to_the_world_size() -> None:
+    message = rejected(
+        parallel={"sequence_parallel_size": 4, "use_hsdp": True, "hsdp_shard_size": 3},
+        offload=NO_ALLGATHER,
+    )
+    assert "--hsdp-shard-size 3" in message
+    assert "world size 4" in message
+
+
+def test_hsdp_sizes_require_hsdp() -> None:
+    message = rejected(parallel={"hsdp_replicate_size": 2})
+    assert "require --use-hsdp" in message
+
+
+@pytest.mark.parametrize(
+    "offload",
+    [
+        {"dlo_resident_layers": 1},
+        {"dlo_enable_runtime_cache": True},
+        {"dlo_use_allgather": False},
+        {"dlo_runtime_cache_pin_limit_gib": 1.0},
+    ],
+)
+def test_dlo_options_without_dlo_are_rejected(offload: dict[str, Any]) -> None:
+    message = rejected(offload=offload)
+    assert "--enable-distributed-layerwise-offload" in message
+
+
+def test_cpu_offload_and_layerwise_offload_without_dlo_are_alternatives() -> None:
+    message = rejected(offload={"enable_cpu_offload": True, "enable_layerwise_offload": True})
+    assert "--enable-cpu-offload" in message
+    assert "--enable-layerwise-offload" in message
+
+
+@pytest.mark.parametrize(
+    ("parallel", "use_allgather", "expected"),
+    [
+        ({}, True, (ShardingGroup.NONE, 1)),
+        ({"data_parallel_size": 2}, True, (ShardingGroup.DATA_PARALLEL, 2)),
+        ({"sequence_parallel_size": 3}, True, (ShardingGroup.SEQUENCE_PARALLEL, 3)),
+        (
+            {"data_parallel_size": 2, "sequence_parallel_size": 3},
+            True,
+            (ShardingGroup.DATA_PARALLEL, 2),
+        ),
+        ({"tensor_parallel_size": 8}, True, (ShardingGroup.NONE, 1)),
+        ({"data_parallel_size": 4}, False, (ShardingGroup.NONE, 1)),
+        ({"sequence_parallel_size": 4}, False, (ShardingGroup.NONE, 1)),
+    ],
+)
+def test_effective_sharding_group_is_a_pure_function_of_the_config(
+    parallel: dict[str, int], use_allgather: bool, expected: tuple[ShardingGroup, int]
+) -> None:
+    assert dlo_sharding_group(ParallelOptions(**parallel), use_allgather) == expected
+
+
+def test_group_of_size_one_transfers_rank_locally_even_with_allgather() -> None:
+    effective = config(offload=DLO).effective()
+    assert effective.transfer_mode == TransferMode.RANK_LOCAL
+
+
+def test_unknown_options_are_rejected() -> None:
+    message = rejected(offload={**DLO, "dlo_use_allgathr": True})
+    assert "--dlo-use-allgathr is not a known option" in message
+
+
+def test_every_violation_is_reported_in_one_line() -> None:
+    message = rejected(
+        parallel={"sequence_parallel_size": 2, "use_hsdp": True},
+        offload={**DLO, "dlo_resident_layers": 1},
+        model={"quantization": "int8"},
+    )
+    assert message.count(";") >= 2
+    assert "--use-hsdp" in message
+    assert "--quantization int8" in message
+    assert "--dlo-resident-layers" in message
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:"])
+def test_device_must_be_known(device: str) -> None:
+    assert "--device" in rejected(model={"device": device})

@@ -1,0 +1,280 @@
+"""``dlo-worker``: the worker's command line.
+
+Configuration flags are generated from the pydantic models in
+:mod:`dlo_worker.config`, one flag per field, so the CLI and the configuration
+cannot drift apart. Every invalid option or combination exits with status 2 and
+one line naming the options and the fix, before torch or a model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pydantic import BaseModel, ValidationError
+
+from dlo_worker import __version__, logs
+from dlo_worker.config import (
+    NEGATIVE_FLAGS,
+    ConfigError,
+    ModelOptions,
+    OffloadOptions,
+    OffloadPolicy,
+    ParallelOptions,
+    Quantization,
+    WorkerConfig,
+    build_config,
+    describe_validation_error,
+    flag_for,
+)
+from dlo_worker.requests import GenerationRequest
+
+logger = logging.getLogger("dlo_worker.cli")
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+_CONFIG_GROUPS: dict[str, type[BaseModel]] = {
+    "model": ModelOptions,
+    "parallel": ParallelOptions,
+    "offload": OffloadOptions,
+}
+_REQUEST_PREFIX = "request"
+
+
+class UsageError(Exception):
+    """Bad input the user can fix: reported as one line with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_model_fields(
+    parser: argparse.ArgumentParser, prefix: str, model: type[BaseModel], title: str
+) -> None:
+    """One flag per field of ``model``; values stay strings so pydantic validates them."""
+    group = parser.add_argument_group(title)
+    for name, field in model.model_fields.items():
+        dest = f"{prefix}.{name}"
+        help_text = f"{field.description} (default: {_default_text(field.default)})"
+        if field.annotation is bool:
+            if field.default:
+                group.add_argument(
+                    flag_for(name),
+                    dest=dest,
+                    action="store_const",
+                    const=True,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
+                group.add_argument(
+                    NEGATIVE_FLAGS[name],
+                    dest=dest,
+                    action="store_const",
+                    const=False,
+                    default=argparse.SUPPRESS,
+                    help=f"Disable {flag_for(name)}.",
+                )
+            else:
+                group.add_argument(
+                    flag_for(name),
+                    dest=dest,
+                    action="store_const",
+                    const=True,
+                    default=argparse.SUPPRESS,
+                    help=help_text,
+                )
+            continue
+        choices = _enum_choices(field.annotation)
+        group.add_argument(
+            flag_for(name),
+            dest=dest,
+            default=argparse.SUPPRESS,
+            choices=choices,
+            metavar=_metavar(name, choices),
+            help=help_text,
+        )
+
+
+def _enum_choices(annotation: Any) -> list[str] | None:
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return [member.value for member in annotation]
+    return None
+
+
+def _metavar(name: str, choices: list[str] | None) -> str:
+    return "{" + ",".join(choices) + "}" if choices else name.rsplit("_", 1)[-1].upper()
+
+
+def _default_text(default: Any) -> str:
+    if isinstance(default, Enum):
+        return str(default.value)
+    return "unset" if default is None else str(default)
+
+
+def _grouped_values(namespace: argparse.Namespace, prefix: str | None = None) -> dict[str, Any]:
+    grouped: dict[str, dict[str, Any]] = {}
+    for key, value in vars(namespace).items():
+        if "." in key:
+            group, field = key.split(".", 1)
+            grouped.setdefault(group, {})[field] = value
+    if prefix is not None:
+        return grouped.get(prefix, {})
+    return {name: grouped.get(name, {}) for name in _CONFIG_GROUPS}
+
+
+def config_from_args(namespace: argparse.Namespace) -> WorkerConfig:
+    """The validated configuration the parsed flags describe (raises ConfigError)."""
+    return build_config(_grouped_values(namespace))
+
+
+def request_from_args(namespace: argparse.Namespace) -> GenerationRequest:
+    try:
+        return GenerationRequest.model_validate(_grouped_values(namespace, _REQUEST_PREFIX))
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def _warn_effective(config: WorkerConfig) -> None:
+    for warning in config.effective().warnings:
+        logger.warning(warning)
+
+
+def _command_config(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    _warn_effective(config)
+    report = {
+        "config": config.model_dump(mode="json"),
+        "effective": config.effective().model_dump(mode="json"),
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _command_demo_model(args: argparse.Namespace) -> int:
+    from dlo_worker.demo_model import DemoModelExistsError, write_demo_model
+
+    try:
+        path = write_demo_model(Path(args.directory), seed=args.seed, overwrite=args.overwrite)
+    except DemoModelExistsError as error:
+        raise UsageError(str(error)) from None
+    print(f"demo model written to {path}")
+    return 0
+
+
+def _unsupported_for_generate(config: WorkerConfig) -> str | None:
+    effective = config.effective()
+    if effective.offload_policy != OffloadPolicy.NONE:
+        return (
+            f"offload policy {effective.offload_policy} is not available in this build of "
+            "dlo-worker generate yet; drop the offload flags to run resident"
+        )
+    if config.model.quantization != Quantization.NONE:
+        return (
+            f"--quantization {config.model.quantization} is not available in this build of "
+            "dlo-worker generate yet; use --quantization none"
+        )
+    if effective.world_size > 1:
+        return (
+            "parallel sizes > 1 need the distributed runtime, which this build of "
+            "dlo-worker generate does not have yet; set the parallel sizes to 1"
+        )
+    return None
+
+
+def _command_generate(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    request = request_from_args(args)
+    _warn_effective(config)
+    if config.model.model is None:
+        raise UsageError("--model is required: a diffusers pipeline directory")
+    if (reason := _unsupported_for_generate(config)) is not None:
+        raise UsageError(reason)
+
+    from dlo_worker.loader import ModelDirectoryError, check_model_directory
+
+    try:
+        check_model_directory(config.model.model)
+    except ModelDirectoryError as error:
+        raise UsageError(str(error)) from None
+
+    from dlo_worker.devices import DeviceUnavailableError, resolve_device, resolve_dtype
+    from dlo_worker.generate import generate_image, write_png
+    from dlo_worker.loader import load_pipeline
+
+    try:
+        device = resolve_device(config.model)
+    except DeviceUnavailableError as error:
+        raise UsageError(str(error)) from None
+    pipeline = load_pipeline(
+        config.model.model, dtype=resolve_dtype(config.model, device), device=device
+    )
+    image = generate_image(pipeline, request)
+    path = write_png(image, Path(args.out))
+    print(f"image written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dlo-worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"dlo-worker {__version__}")
+    parser.add_argument(
+        "--log-level",
+        choices=logs.LEVELS,
+        default=logs.default_level(),
+        help=f"Log verbosity (default: ${logs.LOG_LEVEL_ENV} or warning).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    config_parser = commands.add_parser(
+        "config", help="Validate the flags and print the effective configuration as JSON."
+    )
+    for prefix, model in _CONFIG_GROUPS.items():
+        _add_model_fields(config_parser, prefix, model, f"{prefix} options")
+    config_parser.set_defaults(handler=_command_config)
+
+    demo_parser = commands.add_parser(
+        "demo-model", help="Write the small built-in DiT pipeline (offline, deterministic)."
+    )
+    demo_parser.add_argument("directory", help="Target directory (created).")
+    demo_parser.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
+    demo_parser.add_argument(
+        "--overwrite", action="store_true", help="Replace the directory if it is not empty."
+    )
+    demo_parser.set_defaults(handler=_command_demo_model)
+
+    generate_parser = commands.add_parser(
+        "generate", help="Generate one image and write it as PNG (deterministic)."
+    )
+    generate_parser.add_argument("--out", required=True, help="Output PNG path.")
+    _add_model_fields(generate_parser, _REQUEST_PREFIX, GenerationRequest, "request options")
+    for prefix, model in _CONFIG_GROUPS.items():
+        _add_model_fields(generate_parser, prefix, model, f"{prefix} options")
+    generate_parser.set_defaults(handler=_command_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        return args.handler(args)
+    except (ConfigError, UsageError) as error:
+        print(f"dlo-worker {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Resolve the configuration's ``auto`` device and dtype against what this machine has."""
+
+from __future__ import annotations
+
+import torch
+
+from dlo_worker.config import DType, ModelOptions
+
+_TORCH_DTYPES = {
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT16: torch.float16,
+    DType.FLOAT32: torch.float32,
+}
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The configured device does not exist on this machine."""
+
+
+def resolve_device(options: ModelOptions) -> torch.device:
+    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    if options.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(options.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"--device {options.device}: no CUDA device is available; use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(
+                f"--device {options.device}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
+def resolve_dtype(options: ModelOptions, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on the CPU (where bfloat16 matmuls are slow)."""
+    if options.dtype == DType.AUTO:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _TORCH_DTYPES[options.dtype]
