@@ -173,22 +173,38 @@ def _command_demo_model(args: argparse.Namespace) -> int:
 
 def _unsupported_for_generate(config: WorkerConfig) -> str | None:
     effective = config.effective()
-    if effective.offload_policy != OffloadPolicy.NONE:
+    if effective.offload_policy in (
+        OffloadPolicy.MODEL_CPU_OFFLOAD,
+        OffloadPolicy.LAYERWISE_OFFLOAD,
+    ):
         return (
-            f"offload policy {effective.offload_policy} is not available in this build of "
-            "dlo-worker generate yet; drop the offload flags to run resident"
+            f"offload policy {effective.offload_policy} is not available in dlo-worker generate; "
+            "use --enable-distributed-layerwise-offload or run resident"
         )
     if config.model.quantization != Quantization.NONE:
         return (
-            f"--quantization {config.model.quantization} is not available in this build of "
-            "dlo-worker generate yet; use --quantization none"
+            f"--quantization {config.model.quantization} is not available in dlo-worker "
+            "generate yet; use --quantization none"
         )
-    if effective.world_size > 1:
+    parallel = config.parallel
+    if (
+        parallel.sequence_parallel_size > 1
+        or parallel.tensor_parallel_size > 1
+        or parallel.use_hsdp
+    ):
         return (
-            "parallel sizes > 1 need the distributed runtime, which this build of "
-            "dlo-worker generate does not have yet; set the parallel sizes to 1"
+            "generate runs data parallel only: the model's sequence/tensor-parallel execution "
+            "and HSDP are not implemented; set --sequence-parallel-size and "
+            "--tensor-parallel-size to 1 and drop --use-hsdp"
         )
     return None
+
+
+def rank_output_path(out: Path, data_parallel_rank: int, data_parallel_size: int) -> Path:
+    """DP rank 0 writes ``out``; rank ``r`` > 0 writes ``<stem>.dp<r><suffix>`` beside it."""
+    if data_parallel_size == 1 or data_parallel_rank == 0:
+        return out
+    return out.with_name(f"{out.stem}.dp{data_parallel_rank}{out.suffix}")
 
 
 def _command_generate(args: argparse.Namespace) -> int:
@@ -207,19 +223,27 @@ def _command_generate(args: argparse.Namespace) -> int:
     except ModelDirectoryError as error:
         raise UsageError(str(error)) from None
 
-    from dlo_worker.devices import DeviceUnavailableError, resolve_device, resolve_dtype
+    from dlo_worker.devices import DeviceUnavailableError
+    from dlo_worker.distributed import TopologyError
     from dlo_worker.generate import generate_image, write_png
-    from dlo_worker.loader import load_pipeline
+    from dlo_worker.worker import Worker
 
     try:
-        device = resolve_device(config.model)
+        worker = Worker(config)
     except DeviceUnavailableError as error:
         raise UsageError(str(error)) from None
-    pipeline = load_pipeline(
-        config.model.model, dtype=resolve_dtype(config.model, device), device=device
-    )
-    image = generate_image(pipeline, request)
-    path = write_png(image, Path(args.out))
+    try:
+        with worker:
+            rank = worker.topology.coordinates.data_parallel_rank
+            # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
+            rank_request = request.model_copy(update={"seed": request.seed + rank})
+            image = generate_image(worker.pipeline, rank_request)
+            if worker.backend is not None:
+                logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
+    except TopologyError as error:
+        raise UsageError(str(error)) from None
+    out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
+    path = write_png(image, out)
     print(f"image written to {path}")
     return 0
 
@@ -227,7 +251,8 @@ def _command_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dlo-worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"dlo-worker {__version__}")
-    parser.add_argument(
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
         "--log-level",
         choices=logs.LEVELS,
         default=logs.default_level(),
@@ -236,14 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     config_parser = commands.add_parser(
-        "config", help="Validate the flags and print the effective configuration as JSON."
+        "config",
+        parents=[common],
+        help="Validate the flags and print the effective configuration as JSON.",
     )
     for prefix, model in _CONFIG_GROUPS.items():
         _add_model_fields(config_parser, prefix, model, f"{prefix} options")
     config_parser.set_defaults(handler=_command_config)
 
     demo_parser = commands.add_parser(
-        "demo-model", help="Write the small built-in DiT pipeline (offline, deterministic)."
+        "demo-model",
+        parents=[common],
+        help="Write the small built-in DiT pipeline (offline, deterministic).",
     )
     demo_parser.add_argument("directory", help="Target directory (created).")
     demo_parser.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
@@ -253,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.set_defaults(handler=_command_demo_model)
 
     generate_parser = commands.add_parser(
-        "generate", help="Generate one image and write it as PNG (deterministic)."
+        "generate", parents=[common], help="Generate one image and write it as PNG (deterministic)."
     )
     generate_parser.add_argument("--out", required=True, help="Output PNG path.")
     _add_model_fields(generate_parser, _REQUEST_PREFIX, GenerationRequest, "request options")

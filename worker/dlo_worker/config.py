@@ -204,6 +204,21 @@ class OffloadOptions(_Options):
         "0 keeps bounded staging.",
     )
 
+    dlo_block_paths: tuple[str, ...] | None = Field(
+        default=None,
+        description="Comma-separated attribute paths of the DiT's block lists in execution "
+        "order (e.g. transformer_blocks,single_transformer_blocks); default: discovered.",
+    )
+
+    @field_validator("dlo_block_paths", mode="before")
+    @classmethod
+    def _split_block_paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(part.strip() for part in value.split(",") if part.strip())
+        if value is not None and not value:
+            raise ValueError("--dlo-block-paths needs at least one attribute path")
+        return value
+
     @field_validator("dlo_runtime_cache_lock_timeout")
     @classmethod
     def _lock_timeout_positive(cls, value: float) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dlo_worker.config import DType, ModelOptions
@@ -18,10 +20,18 @@ class DeviceUnavailableError(RuntimeError):
 
 
 def resolve_device(options: ModelOptions) -> torch.device:
-    """``auto`` is the first CUDA device when there is one, else the CPU."""
+    """``auto`` is CUDA when there is a GPU, else the CPU.
+
+    An unindexed ``cuda`` under a launcher means this process's ``$LOCAL_RANK`` GPU.
+    """
     if options.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(options.device)
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = torch.device("cuda")
+    else:
+        device = torch.device(options.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceUnavailableError(

@@ -1,0 +1,367 @@
+"""DistributedLayerwiseOffloadBackend: setup and teardown owner of DLO.
+
+``enable`` discovers the DiTs and their blocks, keeps everything that is not a
+streamed block on the device, packs every streamed block into the host arena
+(complete, or this rank's 1/N shard for AllGather), frees the original host
+tensors, allocates the two shared device slots, installs the hook ring and
+primes the first block. ``disable`` synchronizes, removes the hooks and frees
+every buffer; it runs before the worker destroys any process group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo_worker.offload.config import OffloadConfig
+from dlo_worker.offload.hooks import BlockRing
+from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
+from dlo_worker.offload.plan import OffloadPlan, discover
+from dlo_worker.offload.slots import SlotPair, TransferCounters
+from dlo_worker.offload.streamed_block import StreamedBlock
+
+logger = logging.getLogger(__name__)
+
+
+class OffloadSetupError(RuntimeError):
+    """The model cannot be streamed as asked (shared parameters, bad group, second enable)."""
+
+
+class UnsupportedHostBackingError(ValueError):
+    """A HostWeightPlan was handed to a backend build that has no consumer for it."""
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What DLO did so far; exported by the metrics endpoint."""
+
+    transfer_mode: str
+    shards: int
+    streamed_blocks: int
+    resident_blocks: int
+    blocks_loaded: int
+    on_demand_loads: int
+    bytes_streamed: int
+    """Host-to-device bytes copied by this rank."""
+    allgather_bytes: int
+    exposed_wait_seconds: float
+    """Total time compute waited for weights."""
+    exposed_wait_seconds_per_block: float
+    h2d_seconds: float
+    h2d_gbps: float
+    host_bytes: int
+    """Host bytes holding streamed weights on this rank (page-locked on CUDA)."""
+    host_page_locked: bool
+    device_slot_bytes: int
+    largest_block_bytes: int
+
+
+def _release_freed_host_memory() -> None:
+    """Return freed host tensors to the OS now rather than at some later malloc."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        logger.debug("malloc_trim unavailable; freed memory stays with the allocator")
+
+
+class DistributedLayerwiseOffloadBackend:
+    """Streams DiT blocks through two device slots; see the module docstring."""
+
+    def __init__(
+        self, config: OffloadConfig, device: torch.device | str, plan: object | None = None
+    ) -> None:
+        if plan is not None:
+            raise UnsupportedHostBackingError(
+                f"this backend build streams ordinary loader tensors only; got a "
+                f"{type(plan).__name__}; load without a host-weight plan"
+            )
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._shards, self._rank = self._sharding()
+        self._counters = TransferCounters()
+        self._blocks: list[StreamedBlock] = []
+        self._resident_blocks = 0
+        self._arena: HostArena | None = None
+        self._slots: SlotPair | None = None
+        self._ring: BlockRing | None = None
+        self._plan: OffloadPlan | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._ring is not None
+
+    @property
+    def plan(self) -> OffloadPlan | None:
+        return self._plan
+
+    def _sharding(self) -> tuple[int, int]:
+        group = self.config.process_group
+        if not self.config.use_allgather or group is None:
+            return 1, 0
+        size = dist.get_world_size(group)
+        return size, dist.get_rank(group)
+
+    def enable(self, model_or_pipeline: object) -> DistributedLayerwiseOffloadBackend:
+        """Take over the DiT blocks of ``model_or_pipeline``; returns ``self``."""
+        if self.enabled:
+            raise OffloadSetupError("DLO is already enabled on this backend; disable() it first")
+        started = time.perf_counter()
+        plan = discover(model_or_pipeline, self.config.block_paths)
+        streamed: list[tuple[str, nn.Module]] = []
+        for dit in plan.dits:
+            resident = min(self.config.resident_layers, len(dit.blocks))
+            self._resident_blocks += resident
+            streamed.extend((f"{dit.name}.{name}", block) for name, block in dit.blocks[resident:])
+        resident_modules = [module for dit in plan.dits for module in dit.resident_modules]
+        resident_parameter_ids = {
+            id(parameter) for module in resident_modules for parameter in module.parameters()
+        }
+        self._check_parameters_are_not_shared(model_or_pipeline, streamed, resident_parameter_ids)
+        streamed_ids = {id(block) for _, block in streamed}
+        self._move_everything_else_to_device(model_or_pipeline, streamed_ids)
+        for module in resident_modules:
+            module.to(self.device)
+
+        self._blocks = [
+            self._describe(name, block, resident_parameter_ids) for name, block in streamed
+        ]
+        self._link_rings(plan, streamed_ids)
+        self._fill_host_arena()
+        _release_freed_host_memory()
+
+        layouts = [block.layout for block in self._blocks]
+        self._slots = SlotPair(
+            self.device,
+            slot_capacity(layouts, self._shards),
+            process_group=self.config.process_group if self._shards > 1 else None,
+            shards=self._shards,
+            counters=self._counters,
+        )
+        placeholders = {
+            dtype: torch.empty(0, dtype=dtype, device=self.device)
+            for dtype in {dtype for layout in layouts for dtype in layout.by_dtype}
+        }
+        for block in self._blocks:
+            for index, slot in enumerate(self._slots.slots):
+                block.bind_slot_views(index, slot.buffers)
+            block.to_placeholders(placeholders)
+        self._ring = BlockRing(self._slots, placeholders)
+        self._ring.install(self._blocks)
+        if self._blocks:
+            self._slots.load(self._blocks[0], 0)
+            self._slots.last_used = 1
+        self._plan = plan
+        logger.info(
+            "dlo enabled",
+            extra={
+                "fields": {
+                    "streamed_blocks": len(self._blocks),
+                    "resident_blocks": self._resident_blocks,
+                    "shards": self._shards,
+                    "host_gib": round(self._arena.nbytes / 2**30, 3),
+                    "slot_gib": round(self._slots.device_bytes / 2**30, 3),
+                    "setup_s": round(time.perf_counter() - started, 3),
+                }
+            },
+        )
+        return self
+
+    @staticmethod
+    def _check_parameters_are_not_shared(
+        model_or_pipeline: object,
+        streamed: list[tuple[str, nn.Module]],
+        resident_parameter_ids: set[int],
+    ) -> None:
+        owners: dict[int, str] = {}
+        for name, block in streamed:
+            for parameter in block.parameters():
+                if id(parameter) in resident_parameter_ids:
+                    continue
+                if id(parameter) in owners and owners[id(parameter)] != name:
+                    raise OffloadSetupError(
+                        f"a parameter is shared by {owners[id(parameter)]} and {name}; "
+                        "tied weights cannot be streamed"
+                    )
+                owners[id(parameter)] = name
+        streamed_ids = {id(block) for _, block in streamed}
+        for module in _modules_of(model_or_pipeline):
+            for submodule in _walk_except(module, streamed_ids):
+                for parameter in submodule.parameters(recurse=False):
+                    if id(parameter) in owners:
+                        raise OffloadSetupError(
+                            f"a parameter of {owners[id(parameter)]} is also used outside the "
+                            "streamed blocks; tied weights cannot be streamed"
+                        )
+
+    def _move_everything_else_to_device(
+        self, model_or_pipeline: object, streamed_ids: set[int]
+    ) -> None:
+        """Non-block weights, buffers, resident blocks, encoders and the VAE go to the device."""
+        for module in _modules_of(model_or_pipeline):
+            _move_module_except(module, streamed_ids, self.device)
+
+    def _describe(
+        self, name: str, block: nn.Module, resident_parameter_ids: set[int]
+    ) -> StreamedBlock:
+        named = [
+            (param_name, parameter)
+            for param_name, parameter in block.named_parameters(remove_duplicate=True)
+            if id(parameter) not in resident_parameter_ids
+        ]
+        layout = build_block_layout(
+            (param_name, tuple(param.shape), param.dtype) for param_name, param in named
+        )
+        spans = {
+            span.name: span
+            for dtype_layout in layout.by_dtype.values()
+            for span in dtype_layout.spans
+        }
+        entries = []
+        for param_name, parameter in named:
+            span = spans[param_name]
+            entries.append((parameter, parameter.dtype, span.offset, span.numel, span.shape))
+        return StreamedBlock(name=name, module=block, layout=layout, parameters=entries)
+
+    def _link_rings(self, plan: OffloadPlan, streamed_ids: set[int]) -> None:
+        by_module = {id(block.module): block for block in self._blocks}
+        for dit in plan.dits:
+            ring = [by_module[id(module)] for _, module in dit.blocks if id(module) in streamed_ids]
+            for position, block in enumerate(ring):
+                block.successor = ring[(position + 1) % len(ring)]
+
+    def _fill_host_arena(self) -> None:
+        """Pack each block into its arena range, then drop the loader's copy of it."""
+        numel_by_dtype: dict[torch.dtype, int] = {}
+        for block in self._blocks:
+            for dtype, layout in block.layout.by_dtype.items():
+                numel_by_dtype[dtype] = numel_by_dtype.get(dtype, 0) + layout.shard_numel(
+                    self._shards
+                )
+        self._arena = HostArena(numel_by_dtype, page_lock=self.device.type == "cuda")
+        for block in self._blocks:
+            for dtype, layout in block.layout.by_dtype.items():
+                target = self._arena.take(dtype, layout.shard_numel(self._shards))
+                block.host_source[dtype] = target
+                if self._shards == 1:
+                    _pack(block, dtype, target)
+                    continue
+                flat = torch.empty(layout.padded_numel(self._shards), dtype=dtype)
+                _pack(block, dtype, flat)
+                start, stop = shard_bounds(layout.numel, self._shards, self._rank)
+                target.copy_(flat[start:stop])
+            for parameter, *_ in block.parameters:
+                parameter.data = torch.empty(0, dtype=parameter.dtype)
+
+    def disable(self) -> None:
+        """Synchronize, remove hooks, free slots and host memory. Idempotent.
+
+        Streamed blocks keep empty placeholder parameters afterwards: the model
+        must be loaded again to run. Call this before destroying process groups.
+        """
+        if self._ring is None:
+            return
+        self._slots.synchronize()
+        self._ring.remove()
+        self._slots.free()
+        self._arena.close()
+        for block in self._blocks:
+            block.host_source.clear()
+            block.slot_views[0].clear()
+            block.slot_views[1].clear()
+            block.successor = None
+        self._ring = None
+        self._slots = None
+        self._arena = None
+        self._blocks = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _release_freed_host_memory()
+        logger.info("dlo disabled")
+
+    def stats(self) -> OffloadStats:
+        """Counters so far; synchronizes the device to read pending timings (not a hot path)."""
+        if self._slots is not None:
+            self._slots.synchronize()
+        counters = self._counters
+        waits = max(counters.waits, 1)
+        return OffloadStats(
+            transfer_mode="allgather" if self._shards > 1 else "rank-local",
+            shards=self._shards,
+            streamed_blocks=len(self._blocks),
+            resident_blocks=self._resident_blocks,
+            blocks_loaded=counters.blocks_loaded,
+            on_demand_loads=counters.on_demand_loads,
+            bytes_streamed=counters.h2d_bytes,
+            allgather_bytes=counters.allgather_bytes,
+            exposed_wait_seconds=counters.exposed_wait_seconds,
+            exposed_wait_seconds_per_block=counters.exposed_wait_seconds / waits,
+            h2d_seconds=counters.h2d_seconds,
+            h2d_gbps=counters.h2d_bytes / counters.h2d_seconds / 1e9
+            if counters.h2d_seconds
+            else 0.0,
+            host_bytes=self._arena.nbytes if self._arena else 0,
+            host_page_locked=bool(self._arena and self._arena.page_locked),
+            device_slot_bytes=self._slots.device_bytes if self._slots else 0,
+            largest_block_bytes=max((b.layout.nbytes for b in self._blocks), default=0),
+        )
+
+    def block_layouts(self) -> list[BlockLayout]:
+        return [block.layout for block in self._blocks]
+
+
+def _modules_of(model_or_pipeline: object) -> list[nn.Module]:
+    if isinstance(model_or_pipeline, nn.Module):
+        return [model_or_pipeline]
+    components = getattr(model_or_pipeline, "components", {})
+    return [module for module in components.values() if isinstance(module, nn.Module)]
+
+
+def _move_module_except(module: nn.Module, skipped_ids: set[int], device: torch.device) -> None:
+    """Move every parameter and buffer of ``module`` to ``device``, except inside skipped blocks."""
+    for submodule in _walk_except(module, skipped_ids):
+        for parameter in submodule.parameters(recurse=False):
+            if parameter.device != device:
+                parameter.data = parameter.data.to(device)
+        for name, buffer in list(submodule.named_buffers(recurse=False)):
+            if buffer is not None and buffer.device != device:
+                submodule._buffers[name] = buffer.to(device)
+    for skipped in _skipped_blocks(module, skipped_ids):
+        for submodule in skipped.modules():
+            for name, buffer in list(submodule.named_buffers(recurse=False)):
+                if buffer is not None and buffer.device != device:
+                    submodule._buffers[name] = buffer.to(device)
+
+
+def _walk_except(module: nn.Module, skipped_ids: set[int]):
+    if id(module) in skipped_ids:
+        return
+    yield module
+    for child in module.children():
+        yield from _walk_except(child, skipped_ids)
+
+
+def _skipped_blocks(module: nn.Module, skipped_ids: set[int]) -> list[nn.Module]:
+    return [sub for sub in module.modules() if id(sub) in skipped_ids]
+
+
+def _pack(block: StreamedBlock, dtype: torch.dtype, target: torch.Tensor) -> None:
+    """Write the block's ``dtype`` tensors at their layout offsets; zero the gaps."""
+    end = 0
+    for parameter, parameter_dtype, offset, numel, _ in block.parameters:
+        if parameter_dtype != dtype:
+            continue
+        target[end:offset].zero_()
+        target[offset : offset + numel].copy_(parameter.detach().reshape(-1))
+        end = offset + numel
+    target[end:].zero_()

@@ -1,0 +1,50 @@
+"""OffloadConfig: the backend's slice of the worker configuration, with live process groups.
+
+``from_worker_config`` is where the torch-free :class:`~dlo_worker.config.WorkerConfig`
+meets the running topology: it picks the existing DP (else SP) group the
+configuration selects for DLO's weight sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dlo_worker.config import ShardingGroup, WorkerConfig
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How the backend streams: transfer protocol, group, resident layers, block lists."""
+
+    use_allgather: bool = True
+    process_group: dist.ProcessGroup | None = None
+    """The DLO weight-sharding group; ``None`` (or size one) streams rank-locally."""
+    resident_layers: int = 0
+    block_paths: Sequence[str] | None = None
+    """Attribute paths of the DiT's block lists, overriding discovery."""
+
+    def __post_init__(self) -> None:
+        if self.resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+        if self.resident_layers and self.use_allgather and self._group_size() > 1:
+            raise ValueError("resident_layers require use_allgather=False (--dlo-no-use-allgather)")
+
+    def _group_size(self) -> int:
+        return dist.get_world_size(self.process_group) if self.process_group is not None else 1
+
+    @classmethod
+    def from_worker_config(
+        cls, config: WorkerConfig, groups: dict[ShardingGroup, dist.ProcessGroup]
+    ) -> OffloadConfig:
+        """Select the group the configuration names from the worker's existing groups."""
+        effective = config.effective()
+        group = groups.get(effective.dlo_sharding_group)
+        return cls(
+            use_allgather=config.offload.dlo_use_allgather,
+            process_group=group if effective.dlo_sharding_size > 1 else None,
+            resident_layers=config.offload.dlo_resident_layers,
+            block_paths=config.offload.dlo_block_paths,
+        )

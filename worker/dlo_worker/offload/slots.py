@@ -1,0 +1,206 @@
+"""The two shared device slots, the copy and communication streams, and readiness events.
+
+Exactly two slots exist per backend, each sized for the largest streamed block
+(per dtype); every DiT of a pipeline shares them. A slot moves through
+``released -> loading -> ready -> in use -> released``:
+
+- *load*: the copy stream waits until compute released the slot, copies the
+  block (or this rank's shard) host-to-device, and on the AllGather path the
+  communication stream rebuilds the full block with ``all_gather_into_tensor``;
+  an event marks the slot ready.
+- *use*: the compute stream waits on that event (never the host), so copies of
+  block ``i + 1`` overlap compute of block ``i``.
+- *release*: after the block ran, an event on the compute stream tells the next
+  load that the slot may be overwritten.
+
+On the CPU there are no streams: the same steps run synchronously, so CI
+exercises the identical bookkeeping with gloo collectives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dlo_worker.offload.streamed_block import StreamedBlock
+
+
+@dataclass
+class TransferCounters:
+    """Raw counters behind :meth:`DistributedLayerwiseOffloadBackend.stats`."""
+
+    blocks_loaded: int = 0
+    on_demand_loads: int = 0
+    h2d_bytes: int = 0
+    allgather_bytes: int = 0
+    h2d_seconds: float = 0.0
+    exposed_wait_seconds: float = 0.0
+    waits: int = 0
+    pending_h2d: deque = field(default_factory=deque)
+    pending_waits: deque = field(default_factory=deque)
+
+    def drain(self, *, block: bool) -> None:
+        """Fold finished CUDA timing events into the totals (``block`` waits for all)."""
+        for pending, attribute in (
+            (self.pending_h2d, "h2d_seconds"),
+            (self.pending_waits, "exposed_wait_seconds"),
+        ):
+            while pending:
+                start, end = pending[0]
+                if not block and not end.query():
+                    break
+                end.synchronize()
+                pending.popleft()
+                setattr(self, attribute, getattr(self, attribute) + start.elapsed_time(end) / 1e3)
+
+
+@dataclass(eq=False)
+class DeviceSlot:
+    """One device buffer per dtype, plus the state of the block it holds."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    shard_staging: dict[torch.dtype, torch.Tensor]
+    block: StreamedBlock | None = None
+    ready: torch.cuda.Event | None = None
+    released: torch.cuda.Event | None = None
+
+
+class SlotPair:
+    """Owns both slots, the streams and the events; loads blocks and orders compute after them."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        capacity: dict[torch.dtype, int],
+        *,
+        process_group: dist.ProcessGroup | None,
+        shards: int,
+        counters: TransferCounters,
+    ) -> None:
+        self.device = device
+        self.process_group = process_group
+        self.shards = shards
+        self.counters = counters
+        self.on_cuda = device.type == "cuda"
+        staging_capacity = {dtype: -(-numel // shards) for dtype, numel in capacity.items()}
+        self.slots = tuple(
+            DeviceSlot(
+                buffers={
+                    dtype: torch.empty(numel, dtype=dtype, device=device)
+                    for dtype, numel in capacity.items()
+                },
+                shard_staging={
+                    dtype: torch.empty(numel, dtype=dtype, device=device)
+                    for dtype, numel in staging_capacity.items()
+                }
+                if shards > 1
+                else {},
+            )
+            for _ in range(2)
+        )
+        self.last_used = 1
+        if self.on_cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.comm_stream = torch.cuda.Stream(device) if shards > 1 else None
+            for slot in self.slots:
+                slot.ready = torch.cuda.Event()
+                slot.released = torch.cuda.Event()
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(
+            tensor.nbytes
+            for slot in self.slots
+            for tensors in (slot.buffers, slot.shard_staging)
+            for tensor in tensors.values()
+        )
+
+    def index_of(self, block: StreamedBlock) -> int | None:
+        for index, slot in enumerate(self.slots):
+            if slot.block is block:
+                return index
+        return None
+
+    def load(self, block: StreamedBlock, slot_index: int) -> None:
+        """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA)."""
+        slot = self.slots[slot_index]
+        slot.block = block
+        self.counters.blocks_loaded += 1
+        if self.on_cuda:
+            self._load_cuda(block, slot)
+        else:
+            self._load_synchronously(block, slot)
+
+    def _copy_host_to_device(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+        targets = slot.shard_staging if self.shards > 1 else slot.buffers
+        for dtype, source in block.host_source.items():
+            targets[dtype][: source.numel()].copy_(source, non_blocking=True)
+            self.counters.h2d_bytes += source.nbytes
+
+    def _gather(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+        for dtype, source in block.host_source.items():
+            shard = source.numel()
+            dist.all_gather_into_tensor(
+                slot.buffers[dtype][: shard * self.shards],
+                slot.shard_staging[dtype][:shard],
+                group=self.process_group,
+            )
+            self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
+
+    def _load_synchronously(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+        started = time.perf_counter()
+        self._copy_host_to_device(block, slot)
+        self.counters.h2d_seconds += time.perf_counter() - started
+        if self.shards > 1:
+            self._gather(block, slot)
+
+    def _load_cuda(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+        copy_started = torch.cuda.Event(enable_timing=True)
+        copy_finished = torch.cuda.Event(enable_timing=True)
+        self.copy_stream.wait_event(slot.released)
+        with torch.cuda.stream(self.copy_stream):
+            copy_started.record()
+            self._copy_host_to_device(block, slot)
+            copy_finished.record()
+        self.counters.pending_h2d.append((copy_started, copy_finished))
+        if self.comm_stream is None:
+            slot.ready.record(self.copy_stream)
+            return
+        self.comm_stream.wait_stream(self.copy_stream)
+        with torch.cuda.stream(self.comm_stream):
+            self._gather(block, slot)
+        slot.ready.record(self.comm_stream)
+
+    def wait_ready(self, slot_index: int) -> None:
+        """Order the current (compute) stream after the slot's load; time the stall."""
+        if not self.on_cuda:
+            return
+        stall_started = torch.cuda.Event(enable_timing=True)
+        stall_finished = torch.cuda.Event(enable_timing=True)
+        compute = torch.cuda.current_stream(self.device)
+        stall_started.record(compute)
+        compute.wait_event(self.slots[slot_index].ready)
+        stall_finished.record(compute)
+        self.counters.pending_waits.append((stall_started, stall_finished))
+        self.counters.waits += 1
+        self.counters.drain(block=False)
+
+    def release(self, slot_index: int) -> None:
+        """Compute has enqueued everything that reads the slot; later loads wait for it."""
+        if self.on_cuda:
+            self.slots[slot_index].released.record(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+            self.counters.drain(block=True)
+
+    def free(self) -> None:
+        for slot in self.slots:
+            slot.buffers.clear()
+            slot.shard_staging.clear()
+            slot.block = None

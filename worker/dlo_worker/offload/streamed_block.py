@@ -1,0 +1,49 @@
+"""One streamed block: its layout, its host source, and its parameters' two lives.
+
+A streamed parameter is either *placeholder* (an empty tensor of its dtype on the
+device, between runs) or *materialized* (a view into one of the two device slots,
+while its block runs). The ``Parameter`` objects never change, so optimizers,
+hooks and ``state_dict`` keys keep working; only ``param.data`` is repointed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dlo_worker.offload.layout import BlockLayout
+
+
+@dataclass(eq=False)
+class StreamedBlock:
+    """A block that lives on the host and visits a device slot when it runs."""
+
+    name: str
+    module: nn.Module
+    layout: BlockLayout
+    parameters: list[tuple[nn.Parameter, torch.dtype, int, int, tuple[int, ...]]]
+    """``(parameter, dtype, offset, numel, shape)`` in layout order."""
+    host_source: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
+    slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
+        default_factory=lambda: ([], [])
+    )
+    """Per slot, the device view of every parameter (precomputed: no work on the hot path)."""
+    successor: StreamedBlock | None = None
+    """The block to prefetch while this one runs (the ring wraps to the first block)."""
+
+    def materialize(self, slot_index: int) -> None:
+        for (parameter, *_), view in zip(self.parameters, self.slot_views[slot_index], strict=True):
+            parameter.data = view
+
+    def to_placeholders(self, placeholders: dict[torch.dtype, torch.Tensor]) -> None:
+        for parameter, dtype, *_ in self.parameters:
+            parameter.data = placeholders[dtype]
+
+    def bind_slot_views(self, slot_index: int, buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        self.slot_views[slot_index][:] = [
+            buffers[dtype][offset : offset + numel].view(shape)
+            for _, dtype, offset, numel, shape in self.parameters
+        ]

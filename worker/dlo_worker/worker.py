@@ -1,0 +1,83 @@
+"""The worker's lifecycle: start up in the design doc's order, shut down in reverse.
+
+Start: process groups, then the pipeline (on the CPU when DLO will stream it),
+then the DLO backend. Shutdown: stop intake (the caller), then
+``backend.disable()`` while the process groups still exist (it synchronizes
+outstanding AllGathers), then destroy the process groups. SIGTERM takes the
+same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import types
+from typing import TYPE_CHECKING
+
+import torch
+
+from dlo_worker.config import OffloadPolicy, WorkerConfig
+from dlo_worker.devices import resolve_device, resolve_dtype
+from dlo_worker.distributed import Topology, init_topology
+from dlo_worker.loader import load_pipeline
+from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+logger = logging.getLogger(__name__)
+
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+def _exit_on_sigterm(signum: int, _frame: types.FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+class Worker:
+    """Owns the topology, the pipeline and the offload backend of one process."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if config.model.model is None:
+            raise ValueError("--model is required")
+        self.config = config
+        self.device = resolve_device(config.model)
+        self.dtype = resolve_dtype(config.model, self.device)
+        self.topology = Topology()
+        self.backend: DistributedLayerwiseOffloadBackend | None = None
+        self.pipeline: DiffusionPipeline | None = None
+        self._previous_sigterm = None
+
+    def __enter__(self) -> Worker:
+        self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            self.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.shutdown()
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.topology = init_topology(self.config.parallel, self.device)
+        streams_blocks = self.config.effective().offload_policy == OffloadPolicy.DLO
+        load_device = torch.device("cpu") if streams_blocks else self.device
+        self.pipeline = load_pipeline(self.config.model.model, dtype=self.dtype, device=load_device)
+        if streams_blocks:
+            offload_config = OffloadConfig.from_worker_config(self.config, self.topology.groups)
+            self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device)
+            self.backend.enable(self.pipeline)
+
+    def shutdown(self) -> None:
+        """Disable DLO, then destroy the process groups. Idempotent."""
+        if self.backend is not None:
+            self.backend.disable()
+            self.backend = None
+        self.topology.destroy()
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
