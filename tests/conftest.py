@@ -13,3 +13,15 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from dlo_worker.demo_model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# tests/gpu runs on the accelerator machine (`pytest tests/gpu`); CI has no GPU.
+collect_ignore = [] if _cuda_available() else ["gpu"]

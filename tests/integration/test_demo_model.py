@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from dlo_worker.demo_model import DemoModelExistsError, write_demo_model
 
 

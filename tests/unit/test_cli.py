@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from dlo_worker.cli import build_parser, main
 from dlo_worker.config import NEGATIVE_FLAGS, ModelOptions, OffloadOptions, ParallelOptions
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from dlo_worker.config import (
     ConfigError,
     HostBacking,

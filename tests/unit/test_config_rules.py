@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import pytest
+
 from dlo_worker.config import (
     ConfigError,
     HostBacking,

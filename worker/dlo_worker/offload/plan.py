@@ -68,11 +68,11 @@ class OffloadPlan:
 
 
 def _homogeneous_block_lists(module: nn.Module) -> tuple[str, ...]:
-    """Direct ``nn.ModuleList`` children with >= 2 entries of a single class."""
+    """Direct non-empty ``nn.ModuleList`` children whose entries share one class."""
     paths = []
     for name, child in module.named_children():
         homogeneous = isinstance(child, nn.ModuleList) and len({type(b) for b in child}) == 1
-        if homogeneous and len(child) >= 2:
+        if homogeneous and len(child) >= 1:
             paths.append(name)
     return tuple(paths)
 

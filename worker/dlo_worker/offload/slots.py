@@ -4,10 +4,12 @@ Exactly two slots exist per backend, each sized for the largest streamed block
 (per dtype); every DiT of a pipeline shares them. A slot moves through
 ``released -> loading -> ready -> in use -> released``:
 
-- *load*: the copy stream waits until compute released the slot, copies the
-  block (or this rank's shard) host-to-device, and on the AllGather path the
-  communication stream rebuilds the full block with ``all_gather_into_tensor``;
-  an event marks the slot ready.
+- *load*: rank-local, the copy stream waits until compute released the slot and
+  copies the block host-to-device. With AllGather, the copy stream moves this
+  rank's shard into the slot's staging buffer as soon as the previous gather from
+  it finished (overlapping compute that still reads the slot), and the
+  communication stream waits for the release before rebuilding the full block
+  with ``all_gather_into_tensor``. An event marks the slot ready.
 - *use*: the compute stream waits on that event (never the host), so copies of
   block ``i + 1`` overlap compute of block ``i``.
 - *release*: after the block ran, an event on the compute stream tells the next
@@ -161,7 +163,13 @@ class SlotPair:
     def _load_cuda(self, block: StreamedBlock, slot: DeviceSlot) -> None:
         copy_started = torch.cuda.Event(enable_timing=True)
         copy_finished = torch.cuda.Event(enable_timing=True)
-        self.copy_stream.wait_event(slot.released)
+        if self.comm_stream is None:
+            # The copy lands in the slot itself: wait until compute released it.
+            self.copy_stream.wait_event(slot.released)
+        else:
+            # The copy lands in the slot's shard staging, free once its last gather ran,
+            # so the next shard's H2D overlaps the compute still reading the slot.
+            self.copy_stream.wait_event(slot.ready)
         with torch.cuda.stream(self.copy_stream):
             copy_started.record()
             self._copy_host_to_device(block, slot)
@@ -170,7 +178,8 @@ class SlotPair:
         if self.comm_stream is None:
             slot.ready.record(self.copy_stream)
             return
-        self.comm_stream.wait_stream(self.copy_stream)
+        self.comm_stream.wait_event(copy_finished)
+        self.comm_stream.wait_event(slot.released)
         with torch.cuda.stream(self.comm_stream):
             self._gather(block, slot)
         slot.ready.record(self.comm_stream)

@@ -1,0 +1,288 @@
+"""Flux-class DLO benchmark: one denoising step of the real FluxTransformer2DModel configuration.
+
+Random bf16 weights (11.9 B parameters, 57 blocks). Every figure is measured in this
+process and printed as ratios against the limits of ``shared/design/ANCHORS.md``:
+
+- resident: all weights on the GPU;
+- transfer bound: streamed block bytes / pinned H2D bandwidth measured here;
+- DLO (rank-local, or AllGather under torchrun);
+- diffusers group offload (block_level, one block per group, use_stream), the peer.
+
+One GPU:   python bench/flux_dlo.py --resolutions 1024 2048
+Two GPUs:  torchrun --nproc-per-node 2 bench/flux_dlo.py --resolutions 1024   (DP=2 AllGather)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+FLUX_DEV_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+TEXT_TOKENS = 512
+
+
+def build_flux(device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """The real Flux configuration with random bf16 weights, materialized directly on ``device``."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(**FLUX_DEV_CONFIG)
+    model = model.to(dtype=torch.bfloat16).to_empty(device=device).eval()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.02, generator=generator)
+    return model
+
+
+def flux_inputs(resolution: int, device: torch.device) -> dict[str, torch.Tensor]:
+    tokens = (resolution // 16) ** 2  # 8x VAE downsampling, then 2x2 packing
+    generator = torch.Generator(device=device).manual_seed(1)
+    bf16 = torch.bfloat16
+    return {
+        "hidden_states": torch.randn(1, tokens, 64, device=device, dtype=bf16, generator=generator),
+        "encoder_hidden_states": torch.randn(
+            1, TEXT_TOKENS, 4096, device=device, dtype=bf16, generator=generator
+        ),
+        "pooled_projections": torch.randn(1, 768, device=device, dtype=bf16, generator=generator),
+        "timestep": torch.tensor([1.0], device=device, dtype=bf16),
+        "guidance": torch.tensor([3.5], device=device, dtype=bf16),
+        "img_ids": torch.zeros(tokens, 3, device=device),
+        "txt_ids": torch.zeros(TEXT_TOKENS, 3, device=device),
+    }
+
+
+@torch.inference_mode()
+def step_seconds(model: torch.nn.Module, inputs: dict, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of one transformer forward (= one Flux-dev denoising step)."""
+    times = []
+    for index in range(warmup + repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model(**inputs)
+        torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def pinned_h2d_gbps(device: torch.device, nbytes: int = 2**30, repeats: int = 10) -> float:
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target.copy_(source, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return nbytes * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def allgather_seconds(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    world = dist.get_world_size()
+    shard = torch.empty(nbytes // world // 2, dtype=torch.bfloat16, device=device)
+    full = torch.empty(shard.numel() * world, dtype=torch.bfloat16, device=device)
+    dist.all_gather_into_tensor(full, shard)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(full, shard)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def rss_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024 / 2**30
+    return float("nan")
+
+
+def peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dlo_worker.offload import enable_dlo
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        world = dist.get_world_size()
+    else:
+        device, world = torch.device("cuda", 0), 1
+    report: dict = {
+        "gpu": torch.cuda.get_device_name(device),
+        "world_size": world,
+        "torch": torch.__version__,
+        "results": {},
+    }
+    bandwidth = pinned_h2d_gbps(device)
+    report["pinned_h2d_gbps"] = bandwidth
+
+    model = build_flux(device)
+    inputs = {r: flux_inputs(r, device) for r in args.resolutions}
+    resident = {}
+    for resolution in args.resolutions:
+        release(device)
+        resident[resolution] = (
+            step_seconds(model, inputs[resolution], args.repeats),
+            peak_gib(device),
+        )
+
+    release(device)
+    setup_started = time.perf_counter()
+    backend = enable_dlo(
+        model,
+        device=device,
+        use_allgather=distributed,
+        process_group=dist.group.WORLD if distributed else None,
+    )
+    torch.cuda.synchronize()
+    dlo_setup_s = time.perf_counter() - setup_started
+    block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
+    gather_s = (
+        allgather_seconds(max(layout.nbytes for layout in backend.block_layouts()), device)
+        if distributed
+        else 0.0
+    )
+    for resolution in args.resolutions:
+        release(device)
+        dlo_s = step_seconds(model, inputs[resolution], args.repeats)
+        resident_s, resident_peak = resident[resolution]
+        bound_s = block_bytes / (world * bandwidth * 1e9) + gather_s
+        limit_s = max(resident_s, bound_s)
+        report["results"][resolution] = {
+            "resident_s": resident_s,
+            "resident_peak_gib": resident_peak,
+            "transfer_bound_s": bound_s,
+            "dlo_s": dlo_s,
+            "dlo_peak_gib": peak_gib(device),
+            "dlo_over_resident": dlo_s / resident_s,
+            "dlo_over_transfer_bound": dlo_s / bound_s,
+            "dlo_over_limit": dlo_s / limit_s,
+        }
+    stats = backend.stats()
+    report["dlo"] = {
+        "setup_s": dlo_setup_s,
+        "block_gib": block_bytes / 2**30,
+        "host_gib": stats.host_bytes / 2**30,
+        "process_rss_gib": rss_gib(),
+        "slot_gib": stats.device_slot_bytes / 2**30,
+        "exposed_wait_s_per_block": stats.exposed_wait_seconds_per_block,
+        "achieved_h2d_gbps": stats.h2d_gbps,
+        "allgather_s_largest_block": gather_s,
+    }
+    backend.disable()
+    del model, backend
+    release(device)
+
+    if not distributed and not args.skip_diffusers:
+        report["diffusers"] = diffusers_group_offload(device, inputs, args, report["results"])
+    if distributed:
+        dist.destroy_process_group()
+    return report
+
+
+def diffusers_group_offload(device, inputs, args, results) -> dict:
+    from diffusers.hooks import apply_group_offloading
+
+    model = build_flux(device).to("cpu")
+    release(device)
+    started = time.perf_counter()
+    apply_group_offloading(
+        model,
+        onload_device=device,
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=True,
+    )
+    setup_s = time.perf_counter() - started
+    peer = {"setup_s": setup_s}
+    for resolution in args.resolutions:
+        release(device)
+        peer_s = step_seconds(model, inputs[resolution], args.repeats)
+        results[resolution]["diffusers_s"] = peer_s
+        results[resolution]["diffusers_peak_gib"] = peak_gib(device)
+        results[resolution]["dlo_over_diffusers"] = results[resolution]["dlo_s"] / peer_s
+        limit = max(results[resolution]["resident_s"], results[resolution]["transfer_bound_s"])
+        results[resolution]["diffusers_over_limit"] = peer_s / limit
+    peer["process_rss_gib"] = rss_gib()
+    return peer
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"# {report['gpu']} x{report['world_size']}, torch {report['torch']}, "
+        f"pinned H2D {report['pinned_h2d_gbps']:.1f} GB/s"
+    )
+    dlo = report["dlo"]
+    print(
+        f"# blocks {dlo['block_gib']:.2f} GiB; DLO host {dlo['host_gib']:.2f} GiB per rank, "
+        f"RSS {dlo['process_rss_gib']:.1f} GiB, slots {dlo['slot_gib']:.2f} GiB, "
+        f"setup {dlo['setup_s']:.1f} s, achieved H2D {dlo['achieved_h2d_gbps']:.1f} GB/s, "
+        f"exposed wait {dlo['exposed_wait_s_per_block'] * 1e3:.2f} ms/block"
+    )
+    for resolution, row in report["results"].items():
+        line = (
+            f"{resolution}x{resolution}: resident {row['resident_s']:.3f} s "
+            f"(peak {row['resident_peak_gib']:.1f} GiB) | bound {row['transfer_bound_s']:.3f} s "
+            f"| DLO {row['dlo_s']:.3f} s (peak {row['dlo_peak_gib']:.1f} GiB) = "
+            f"{row['dlo_over_limit']:.3f}x limit, {row['dlo_over_resident']:.2f}x resident, "
+            f"{row['dlo_over_transfer_bound']:.2f}x bound"
+        )
+        if "diffusers_s" in row:
+            line += (
+                f" | diffusers {row['diffusers_s']:.3f} s "
+                f"(peak {row['diffusers_peak_gib']:.1f} GiB) = "
+                f"{row['diffusers_over_limit']:.3f}x limit; "
+                f"DLO/diffusers {row['dlo_over_diffusers']:.3f}"
+            )
+        print(line)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
+    args = parser.parse_args()
+    report = run(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print_report(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

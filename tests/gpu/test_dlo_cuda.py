@@ -1,0 +1,110 @@
+"""DLO on CUDA: bitwise equality with streams and events; NCCL AllGather over two GPUs.
+
+Run on the accelerator machine: ``pytest tests/gpu``. Collected only where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dlo_worker.offload import enable_dlo
+from tests.support.equivalence import run_equivalence
+from tests.support.tiny_models import plain_stack, tiny_flux
+
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize(
+    ("model", "options"),
+    [
+        ("flux", {}),
+        ("dit", {"blocks": 3}),
+        ("dit", {"blocks": 4}),
+        ("wan", {"blocks": 3}),
+        ("plain", {"blocks": 5}),
+    ],
+    ids=["flux", "dit-odd", "dit-even", "wan", "plain"],
+)
+def test_rank_local_streaming_on_cuda_is_bitwise_equal(model: str, options: dict) -> None:
+    result = run_equivalence(model, CUDA, **options)
+    assert result.bitwise_equal
+    assert result.stats.host_page_locked
+    assert result.stats.on_demand_loads == 0
+
+
+@pytest.mark.parametrize("resident_layers", [1, 3])
+def test_resident_layers_on_cuda_are_bitwise_equal(resident_layers: int) -> None:
+    assert run_equivalence("flux", CUDA, resident_layers=resident_layers).bitwise_equal
+
+
+def test_bf16_flux_on_cuda_is_bitwise_equal() -> None:
+    case = tiny_flux()
+    case.model.to(torch.bfloat16)
+    reference = tiny_flux().model.to(torch.bfloat16).to(CUDA)
+    inputs = {
+        k: v.to(CUDA, torch.bfloat16) if v.is_floating_point() else v.to(CUDA)
+        for k, v in case.inputs.items()
+    }
+    with torch.inference_mode():
+        expected = [reference(**inputs).sample for _ in range(3)]
+    backend = enable_dlo(case.model, device=CUDA, use_allgather=False)
+    with torch.inference_mode():
+        actual = [case.model(**inputs).sample for _ in range(3)]
+    backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+
+
+def test_hot_path_never_synchronizes_the_host() -> None:
+    """With CUDA's sync debug mode set to error, any host-side synchronize raises."""
+    case = plain_stack(blocks=6)
+    inputs = {"x": case.inputs["x"].to(CUDA)}
+    backend = enable_dlo(case.model, device=CUDA, use_allgather=False)
+    with torch.inference_mode():
+        case.model(**inputs)  # warm-up: first-call allocations
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                case.model(**inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    backend.disable()
+
+
+def _nccl_rank(rank: int, world_size: int, store_path: str) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        device_id=device,
+    )
+    try:
+        for name, options in (
+            ("flux", {}),
+            ("dit", {"blocks": 3}),
+            ("wan", {"blocks": 2}),
+            ("plain", {"blocks": 5}),
+        ):
+            result = run_equivalence(
+                name, device, use_allgather=True, process_group=dist.group.WORLD, **options
+            )
+            assert result.bitwise_equal, f"{name} differs on rank {rank}"
+            assert result.stats.transfer_mode == "allgather"
+            assert result.stats.host_bytes < sum(result.block_bytes) / world_size * 1.05 + 4096
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_nccl_allgather_over_two_gpus_is_bitwise_equal(tmp_path: Path) -> None:
+    mp.spawn(_nccl_rank, args=(2, str(tmp_path / "store")), nprocs=2, join=True)

@@ -1,0 +1,65 @@
+"""Run a tiny model resident and under DLO, and compare bitwise; shared by CPU and GPU tests."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dlo_worker.offload import OffloadStats, enable_dlo
+from tests.support.tiny_models import BUILDERS
+
+FORWARDS = 3
+
+
+@dataclass
+class EquivalenceResult:
+    resident: list[torch.Tensor]
+    offloaded: list[torch.Tensor]
+    stats: OffloadStats
+    block_bytes: list[int]
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(self.resident, self.offloaded, strict=True))
+
+
+def run_equivalence(
+    name: str,
+    device: torch.device,
+    *,
+    seed: int = 0,
+    use_allgather: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    resident_layers: int = 0,
+    forwards: int = FORWARDS,
+    **builder_options: int,
+) -> EquivalenceResult:
+    """Resident outputs first (on ``device``), then DLO on a second copy of the same weights."""
+    case = BUILDERS[name](seed, **builder_options)
+    resident_model = copy.deepcopy(case.model).to(device)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in case.inputs.items()}
+    with torch.inference_mode():
+        resident = [_output(resident_model(**inputs)).cpu() for _ in range(forwards)]
+    del resident_model
+    backend = enable_dlo(
+        case.model,
+        device=device,
+        use_allgather=use_allgather,
+        process_group=process_group,
+        resident_layers=resident_layers,
+    )
+    try:
+        with torch.inference_mode():
+            offloaded = [_output(case.model(**inputs)).cpu() for _ in range(forwards)]
+        stats = backend.stats()
+        block_bytes = [layout.nbytes for layout in backend.block_layouts()]
+    finally:
+        backend.disable()
+    return EquivalenceResult(resident, offloaded, stats, block_bytes)
+
+
+def _output(output: object) -> torch.Tensor:
+    return output.sample if hasattr(output, "sample") else output
