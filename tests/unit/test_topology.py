@@ -1,0 +1,61 @@
+"""Rank layout and the DLO group the configuration selects (pure)."""
+
+from __future__ import annotations
+
+from dlo_worker.config import ParallelOptions, ShardingGroup, build_config
+from dlo_worker.distributed import group_ranks, rank_coordinates
+from dlo_worker.offload import OffloadConfig
+
+
+def test_tp_is_innermost_then_sp_then_dp() -> None:
+    parallel = ParallelOptions(
+        data_parallel_size=2, sequence_parallel_size=2, tensor_parallel_size=2
+    )
+    coordinates = [rank_coordinates(rank, parallel) for rank in range(8)]
+    assert [
+        (c.data_parallel_rank, c.sequence_parallel_rank, c.tensor_parallel_rank)
+        for c in coordinates
+    ] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
+
+
+def test_dp_and_sp_groups_partition_the_world() -> None:
+    parallel = ParallelOptions(data_parallel_size=2, sequence_parallel_size=3)
+    groups = group_ranks(parallel)
+    assert groups[ShardingGroup.DATA_PARALLEL] == [[0, 3], [1, 4], [2, 5]]
+    assert groups[ShardingGroup.SEQUENCE_PARALLEL] == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_offload_config_takes_the_group_the_worker_config_selects() -> None:
+    dp_group, sp_group = object(), object()
+    groups = {ShardingGroup.DATA_PARALLEL: dp_group, ShardingGroup.SEQUENCE_PARALLEL: sp_group}
+    dlo = {"enable_distributed_layerwise_offload": True}
+    by_dp = build_config(
+        {"parallel": {"data_parallel_size": 2, "sequence_parallel_size": 2}, "offload": dlo}
+    )
+    by_sp = build_config({"parallel": {"sequence_parallel_size": 2}, "offload": dlo})
+    rank_local = build_config(
+        {
+            "parallel": {"data_parallel_size": 2},
+            "offload": {
+                **dlo,
+                "dlo_use_allgather": False,
+                "dlo_resident_layers": 2,
+                "dlo_block_paths": "blocks, more_blocks",
+            },
+        }
+    )
+    assert OffloadConfig.from_worker_config(by_dp, groups).process_group is dp_group
+    assert OffloadConfig.from_worker_config(by_sp, groups).process_group is sp_group
+    local = OffloadConfig.from_worker_config(rank_local, groups)
+    assert local.process_group is None
+    assert local.resident_layers == 2
+    assert local.block_paths == ("blocks", "more_blocks")
