@@ -256,7 +256,14 @@ class DistributedLayerwiseOffloadBackend:
                 if self._shards == 1:
                     _pack(block, dtype, target)
                     continue
-                flat = torch.empty(layout.padded_numel(self._shards), dtype=dtype)
+                # Pack where the loader left the weights (the GPU packs far faster),
+                # then keep only this rank's shard on the host.
+                source_device = next(
+                    p.device for p, p_dtype, *_ in block.parameters if p_dtype == dtype
+                )
+                flat = torch.empty(
+                    layout.padded_numel(self._shards), dtype=dtype, device=source_device
+                )
                 _pack(block, dtype, flat)
                 start, stop = shard_bounds(layout.numel, self._shards, self._rank)
                 target.copy_(flat[start:stop])
