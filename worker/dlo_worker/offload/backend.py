@@ -26,7 +26,7 @@ from dlo_worker.offload.host import HostArena
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import OffloadPlan, discover
 from dlo_worker.offload.slots import SlotPair, TransferCounters
-from dlo_worker.offload.streamed_block import StreamedBlock
+from dlo_worker.offload.streamed_block import StreamedBlock, StreamedParameter
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,9 @@ class DistributedLayerwiseOffloadBackend:
         entries = []
         for param_name, parameter in named:
             span = spans[param_name]
-            entries.append((parameter, parameter.dtype, span.offset, span.numel, span.shape))
+            entries.append(
+                StreamedParameter(parameter, parameter.dtype, span.offset, span.numel, span.shape)
+            )
         return StreamedBlock(name=name, module=block, layout=layout, parameters=entries)
 
     def _link_rings(self, plan: OffloadPlan, streamed_ids: set[int]) -> None:
@@ -259,7 +261,7 @@ class DistributedLayerwiseOffloadBackend:
                 # Pack where the loader left the weights (the GPU packs far faster),
                 # then keep only this rank's shard on the host.
                 source_device = next(
-                    p.device for p, p_dtype, *_ in block.parameters if p_dtype == dtype
+                    entry.parameter.device for entry in block.parameters if entry.dtype == dtype
                 )
                 flat = torch.empty(
                     layout.padded_numel(self._shards), dtype=dtype, device=source_device

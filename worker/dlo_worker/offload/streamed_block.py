@@ -9,11 +9,22 @@ hooks and ``state_dict`` keys keep working; only ``param.data`` is repointed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from dlo_worker.offload.layout import BlockLayout
+
+
+class StreamedParameter(NamedTuple):
+    """A parameter of a streamed block and where it lives in its dtype's flat buffer."""
+
+    parameter: nn.Parameter
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -23,8 +34,8 @@ class StreamedBlock:
     name: str
     module: nn.Module
     layout: BlockLayout
-    parameters: list[tuple[nn.Parameter, torch.dtype, int, int, tuple[int, ...]]]
-    """``(parameter, dtype, offset, numel, shape)`` in layout order."""
+    parameters: list[StreamedParameter]
+    """In layout order."""
     host_source: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
     slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
