@@ -61,5 +61,31 @@ def run_equivalence(
     return EquivalenceResult(resident, offloaded, stats, block_bytes)
 
 
+ALLGATHER_CASES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("flux", {}),
+    ("dit", {"blocks": 3}),
+    ("wan", {"blocks": 2}),
+    ("plain", {"blocks": 5}),
+)
+
+
+def check_allgather_rank(device: torch.device) -> list[tuple[str, dict, EquivalenceResult]]:
+    """On one rank of the default group: every tiny model under DLO AllGather matches resident
+    bitwise, and this rank keeps about 1/N of the block bytes on the host."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    results = []
+    for name, options in ALLGATHER_CASES:
+        result = run_equivalence(
+            name, device, use_allgather=True, process_group=dist.group.WORLD, **options
+        )
+        assert result.bitwise_equal, f"{name}: rank {rank} differs from resident"
+        assert result.stats.transfer_mode == "allgather"
+        assert result.stats.shards == world_size
+        assert result.stats.allgather_bytes > 0
+        assert result.stats.host_bytes < sum(result.block_bytes) / world_size * 1.05 + 4096
+        results.append((name, options, result))
+    return results
+
+
 def _output(output: object) -> torch.Tensor:
     return output.sample if hasattr(output, "sample") else output
