@@ -8,6 +8,8 @@ cd "$ROOT"
 echo "==> ruff"
 ruff check .
 ruff format --check .
+echo "==> control-plane binaries (built once from Go modules, then cached)"
+python -m tests.cluster build
 echo "==> pytest"
 # pytest exits 5 when nothing was collected, which fails this script too.
 pytest "$@"

@@ -1,0 +1,43 @@
+"""``python -m tests.cluster {build,up,down}``; see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tests.cluster.build import Builder, BuildError
+from tests.cluster.control_plane import ClusterError, default_directory, down, up
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__)
+    parser.add_argument("command", choices=["build", "up", "down"])
+    parser.add_argument(
+        "--dir", type=Path, default=None, help=f"cluster directory (default: {default_directory()})"
+    )
+    parser.add_argument("--nodes", type=int, default=3, help="fake GPU nodes (default: 3)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    args = parser.parse_args()
+    try:
+        if args.command == "build":
+            print(Builder(progress=_progress).ensure())
+        elif args.command == "up":
+            state = up(
+                args.dir, nodes=args.nodes, gpus_per_node=args.gpus_per_node, progress=_progress
+            )
+            print(state.kubeconfig)
+        else:
+            down(args.dir, progress=_progress)
+    except (BuildError, ClusterError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

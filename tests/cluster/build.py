@@ -1,0 +1,251 @@
+"""Build the local control plane's binaries from Go modules, cached outside the repository.
+
+No release binary can be downloaded here, but Go modules can: each tool is built
+from its module inside a small wrapper module. ``k8s.io/kubernetes`` cannot be
+required as-is (its go.mod points every ``k8s.io/*`` staging module at a local
+directory), so the wrapper replaces each staging module with its published
+``v0.X.Y`` twin. Versions live in ``versions.json`` beside this file; the cache
+key is a digest of them and of this recipe, so a version bump rebuilds and an
+unchanged one is a no-op. Builds land in a temporary file that is renamed into
+place, under a lock, so a killed or concurrent build never leaves a broken binary.
+
+    python -m tests.cluster build
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+VERSIONS_FILE = Path(__file__).with_name("versions.json")
+RECIPE_REVISION = "1"
+KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+
+Progress = Callable[[str], None]
+
+
+class BuildError(RuntimeError):
+    """A tool failed to build; the message carries the command and the tail of its output."""
+
+
+@dataclass(frozen=True)
+class Versions:
+    kubernetes: str
+    etcd: str
+    kwok: str
+    helm: str
+
+    @classmethod
+    def load(cls, path: Path = VERSIONS_FILE) -> Versions:
+        return cls(**json.loads(path.read_text()))
+
+    @property
+    def staging_version(self) -> str:
+        """``v1.34.4`` -> ``v0.34.4``: the published version of every staging module."""
+        return "v0" + self.kubernetes.removeprefix("v1")
+
+
+def cache_root() -> Path:
+    configured = os.environ.get("DLO_CLUSTER_CACHE")
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "diffusion-dlo" / "cluster"
+
+
+def build_key(versions: Versions) -> str:
+    material = json.dumps(versions.__dict__, sort_keys=True) + RECIPE_REVISION
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def bin_dir(versions: Versions) -> Path:
+    return cache_root() / build_key(versions) / "bin"
+
+
+def staging_replaces(kubernetes_go_mod: str, staging_version: str) -> dict[str, str]:
+    """Each ``k8s.io/X => ./staging/src/k8s.io/X`` line, as ``k8s.io/X staging_version``."""
+    pattern = re.compile(r"^\s*(k8s\.io/[\w.-]+)\s*=>\s*\./staging/src/\1\s*$", re.MULTILINE)
+    return {module: staging_version for module in pattern.findall(kubernetes_go_mod)}
+
+
+def wrapper_go_mod(module: str, requires: dict[str, str], replaces: dict[str, str]) -> str:
+    """The text of a wrapper go.mod (pure)."""
+    lines = [f"module {module}", "", "go 1.24", ""]
+    lines += ["require ("] + [f"\t{path} {version}" for path, version in requires.items()] + [")"]
+    if replaces:
+        lines += ["", "replace ("]
+        lines += [f"\t{path} => {path} {version}" for path, version in sorted(replaces.items())]
+        lines += [")"]
+    return "\n".join(lines) + "\n"
+
+
+def kubernetes_ldflags(version: str) -> str:
+    """Version stamps so ``kube-apiserver --version`` reports the real release."""
+    major, minor = version.removeprefix("v").split(".")[:2]
+    stamps = {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": "1970-01-01T00:00:00Z",
+    }
+    flags = ["-s", "-w"]
+    for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [f"-X {package}.{key}={value}" for key, value in stamps.items()]
+    return " ".join(flags)
+
+
+ETCD_MAIN = """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() { etcdmain.Main(os.Args) }
+"""
+
+
+def _go_env() -> dict[str, str]:
+    """Static binaries from the machine's own Go; go.sum is written on first resolution."""
+    env = dict(os.environ)
+    env.setdefault("GOFLAGS", "-mod=mod")
+    env["CGO_ENABLED"] = "0"
+    env.setdefault("GOTOOLCHAIN", "local")
+    return env
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str]) -> None:
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-25:])
+        raise BuildError(f"`{' '.join(command)}` failed in {cwd}:\n{tail}")
+
+
+def _go_mod_text(module: str, version: str, env: dict[str, str], cwd: Path) -> str:
+    result = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise BuildError(f"cannot download {module}@{version}: {result.stdout}{result.stderr}")
+    return Path(json.loads(result.stdout)["GoMod"]).read_text()
+
+
+def _install(built: Path, target: Path) -> None:
+    built.chmod(0o755)
+    os.replace(built, target)
+
+
+class Builder:
+    """Builds whatever is missing in :func:`bin_dir` for the pinned versions."""
+
+    def __init__(self, versions: Versions | None = None, progress: Progress = print) -> None:
+        self.versions = versions or Versions.load()
+        self.progress = progress
+        self.root = cache_root() / build_key(self.versions)
+        self.bin = self.root / "bin"
+        self.env = _go_env()
+
+    def missing(self) -> list[str]:
+        wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm")
+        return [name for name in wanted if not (self.bin / name).is_file()]
+
+    def ensure(self) -> Path:
+        """Build every missing binary (idempotent); returns the bin directory."""
+        if not self.missing():
+            return self.bin
+        if shutil.which("go") is None:
+            raise BuildError("the go command is not on PATH; install Go >= 1.24")
+        self.bin.mkdir(parents=True, exist_ok=True)
+        with (self.root / ".build.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            missing = self.missing()
+            for index, name in enumerate(missing, 1):
+                started = time.monotonic()
+                self.progress(f"[{index}/{len(missing)}] building {name} ...")
+                self._build(name)
+                self.progress(
+                    f"[{index}/{len(missing)}] {name} built in {time.monotonic() - started:.0f} s"
+                )
+        return self.bin
+
+    def _workspace(self, name: str, go_mod: str, files: dict[str, str] | None = None) -> Path:
+        workspace = self.root / "src" / name
+        workspace.mkdir(parents=True, exist_ok=True)
+        (workspace / "go.mod").write_text(go_mod)
+        for file_name, text in (files or {}).items():
+            (workspace / file_name).write_text(text)
+        return workspace
+
+    def _build(self, name: str) -> None:
+        v = self.versions
+        if name in KUBERNETES_BINARIES:
+            scratch = self.root / "src"
+            scratch.mkdir(parents=True, exist_ok=True)
+            replaces = staging_replaces(
+                _go_mod_text("k8s.io/kubernetes", v.kubernetes, self.env, scratch),
+                v.staging_version,
+            )
+            workspace = self._workspace(
+                "kubernetes",
+                wrapper_go_mod(
+                    "dlo.dev/cluster/kubernetes", {"k8s.io/kubernetes": v.kubernetes}, replaces
+                ),
+            )
+            package, ldflags = f"k8s.io/kubernetes/cmd/{name}", kubernetes_ldflags(v.kubernetes)
+        elif name == "etcd":
+            workspace = self._workspace(
+                "etcd",
+                wrapper_go_mod("dlo.dev/cluster/etcd", {"go.etcd.io/etcd/server/v3": v.etcd}, {}),
+                {"main.go": ETCD_MAIN},
+            )
+            package, ldflags = ".", "-s -w"
+        elif name == "kwok":
+            workspace = self._workspace(
+                "kwok", wrapper_go_mod("dlo.dev/cluster/kwok", {"sigs.k8s.io/kwok": v.kwok}, {})
+            )
+            package = "sigs.k8s.io/kwok/cmd/kwok"
+            ldflags = f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={v.kwok}"
+        elif name == "helm":
+            workspace = self._workspace(
+                "helm", wrapper_go_mod("dlo.dev/cluster/helm", {"helm.sh/helm/v3": v.helm}, {})
+            )
+            package = "helm.sh/helm/v3/cmd/helm"
+            ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={v.helm}"
+        else:
+            raise BuildError(f"unknown tool {name}")
+        if package == ".":
+            _run(["go", "mod", "tidy"], workspace, self.env)
+        built = self.bin / f".{name}.partial"
+        _run(
+            ["go", "build", "-trimpath", "-ldflags", ldflags, "-o", str(built), package],
+            workspace,
+            self.env,
+        )
+        _install(built, self.bin / name)
+
+
+def main() -> int:
+    try:
+        path = Builder(progress=lambda line: print(line, file=sys.stderr, flush=True)).ensure()
+    except BuildError as error:
+        print(f"cluster build failed: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

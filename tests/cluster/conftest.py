@@ -1,0 +1,48 @@
+"""Fixtures: one control plane per test session, one namespace per test."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.control_plane import ClusterState, down, up
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    directory = tmp_path_factory.mktemp("cluster")
+    state = up(directory, nodes=3, progress=lambda line: print(line, flush=True))
+    try:
+        yield state
+    finally:
+        down(directory, progress=lambda line: print(line, flush=True))
+
+
+@pytest.fixture(scope="session")
+def api_client(cluster: ClusterState):
+    from kubernetes import config
+
+    return config.new_client_from_config(config_file=cluster.kubeconfig)
+
+
+@pytest.fixture
+def namespace(api_client) -> Iterator[str]:
+    from kubernetes import client
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core = client.CoreV1Api(api_client)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+
+
+@pytest.fixture(scope="session")
+def cluster_bin(cluster: ClusterState) -> Path:
+    from tests.cluster.build import Builder
+
+    return Builder().bin

@@ -1,0 +1,380 @@
+"""A real control plane on loopback: etcd, kube-apiserver, controller-manager, scheduler, kwok.
+
+``up`` starts every component in the background (own process sessions, logs in
+the cluster directory), waits until the apiserver is ready and the fake GPU nodes
+report Ready, and records the processes in ``cluster.json``; ``down`` stops them
+in reverse order and leaves nothing running. Both are idempotent. The pytest
+fixtures call the same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tests.cluster import pki as pki_module
+from tests.cluster.build import Builder, cache_root
+
+STATE_FILE = "cluster.json"
+GPU_RESOURCE = "nvidia.com/gpu"
+FAKE_NODE_LABEL = ("type", "kwok")
+
+Progress = Callable[[str], None]
+
+
+class ClusterError(RuntimeError):
+    """A component did not start or become ready; the message names its log."""
+
+
+@dataclass
+class Component:
+    name: str
+    pid: int
+    started: str
+    """The process start time from /proc, so a recycled pid is never signalled."""
+    log: str
+
+
+@dataclass
+class ClusterState:
+    directory: str
+    kubeconfig: str
+    server: str
+    components: list[Component]
+
+    @classmethod
+    def load(cls, directory: Path) -> ClusterState | None:
+        path = directory / STATE_FILE
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        raw["components"] = [Component(**item) for item in raw["components"]]
+        return cls(**raw)
+
+    def save(self) -> None:
+        path = Path(self.directory) / STATE_FILE
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(temporary, path)
+
+
+def default_directory() -> Path:
+    return Path(os.environ.get("DLO_CLUSTER_DIR") or cache_root() / "run")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return fields[19] if len(fields) > 19 else None
+
+
+def is_running(component: Component) -> bool:
+    """Running (not a zombie) and still the process we started."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(component.pid, os.WNOHANG)  # reap it if it is our exited child
+    fields = _stat_fields(component.pid)
+    return len(fields) > 19 and fields[0] != "Z" and fields[19] == component.started
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float, what: str, log: Path | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if condition():
+                return
+        time.sleep(0.5)
+    hint = f"; see {log}" if log else ""
+    raise ClusterError(f"{what} not ready after {timeout_s:.0f} s{hint}")
+
+
+def kubeconfig_document(server: str, pki: pki_module.Pki) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "dlo",
+                "cluster": {"server": server, "certificate-authority": str(pki.ca_cert)},
+            }
+        ],
+        "users": [
+            {
+                "name": "dlo-admin",
+                "user": {
+                    "client-certificate": str(pki.admin_cert),
+                    "client-key": str(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [{"name": "dlo", "context": {"cluster": "dlo", "user": "dlo-admin"}}],
+        "current-context": "dlo",
+    }
+
+
+class _Launcher:
+    def __init__(self, directory: Path, bin_dir: Path) -> None:
+        self.directory = directory
+        self.bin = bin_dir
+        self.components: list[Component] = []
+
+    def start(self, name: str, arguments: list[str]) -> Path:
+        log = self.directory / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as stream:
+            process = subprocess.Popen(
+                [str(self.bin / name), *arguments],
+                stdout=stream,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.directory,
+            )
+        time.sleep(0.05)
+        self.components.append(
+            Component(name, process.pid, _start_time(process.pid) or "", str(log))
+        )
+        return log
+
+
+def up(
+    directory: Path | None = None,
+    *,
+    nodes: int = 3,
+    gpus_per_node: int = 8,
+    progress: Progress = print,
+) -> ClusterState:
+    """Start the control plane (or return the one already running in ``directory``)."""
+    directory = (directory or default_directory()).resolve()
+    existing = ClusterState.load(directory)
+    if existing and all(is_running(component) for component in existing.components):
+        progress(f"cluster already running: {existing.kubeconfig}")
+        return existing
+    if existing:
+        down(directory, progress=progress)
+    bin_dir = Builder(progress=progress).ensure()
+    for stale in ("etcd-data", "pki"):
+        shutil.rmtree(directory / stale, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = pki_module.generate(directory / "pki")
+    launcher = _Launcher(directory, bin_dir)
+    try:
+        state = _start_components(directory, pki, launcher, progress)
+        _register_fake_nodes(state, nodes, gpus_per_node, progress)
+    except BaseException:
+        ClusterState(str(directory), "", "", launcher.components).save()
+        down(directory, progress=progress)
+        raise
+    return state
+
+
+def _start_components(
+    directory: Path, pki: pki_module.Pki, launcher: _Launcher, progress: Progress
+) -> ClusterState:
+    etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+    etcd_url = f"http://127.0.0.1:{etcd_port}"
+    progress("starting etcd")
+    log = launcher.start(
+        "etcd",
+        [
+            "--name",
+            "dlo",
+            "--data-dir",
+            str(directory / "etcd-data"),
+            "--listen-client-urls",
+            etcd_url,
+            "--advertise-client-urls",
+            etcd_url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer_port}",
+            "--initial-cluster",
+            f"dlo=http://127.0.0.1:{peer_port}",
+            "--log-level",
+            "warn",
+            "--unsafe-no-fsync",
+        ],
+    )
+    _wait(
+        lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=2).status == 200,
+        60,
+        "etcd",
+        log,
+    )
+
+    server = f"https://127.0.0.1:{api_port}"
+    progress("starting kube-apiserver")
+    log = launcher.start(
+        "kube-apiserver",
+        [
+            "--etcd-servers",
+            etcd_url,
+            "--bind-address",
+            "127.0.0.1",
+            "--advertise-address",
+            "127.0.0.1",
+            "--secure-port",
+            str(api_port),
+            "--authorization-mode",
+            "RBAC",
+            "--client-ca-file",
+            str(pki.ca_cert),
+            "--tls-cert-file",
+            str(pki.serving_cert),
+            "--tls-private-key-file",
+            str(pki.serving_key),
+            "--service-account-key-file",
+            str(pki.service_account_public_key),
+            "--service-account-signing-key-file",
+            str(pki.service_account_key),
+            "--service-account-issuer",
+            "https://kubernetes.default.svc.cluster.local",
+            "--service-cluster-ip-range",
+            "10.0.0.0/24",
+            "--cert-dir",
+            str(directory / "pki"),
+            "--profiling=false",
+            "--allow-privileged=true",
+        ],
+    )
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+    _wait(
+        lambda: (
+            urllib.request.urlopen(f"{server}/readyz", context=context, timeout=5).status == 200
+        ),
+        180,
+        "kube-apiserver",
+        log,
+    )
+
+    kubeconfig = directory / "kubeconfig"
+    kubeconfig.write_text(json.dumps(kubeconfig_document(server, pki), indent=2))
+    common = [
+        "--kubeconfig",
+        str(kubeconfig),
+        "--authentication-kubeconfig",
+        str(kubeconfig),
+        "--authorization-kubeconfig",
+        str(kubeconfig),
+        "--leader-elect=false",
+        "--bind-address",
+        "127.0.0.1",
+    ]
+    progress("starting kube-controller-manager and kube-scheduler")
+    launcher.start(
+        "kube-controller-manager",
+        [
+            *common,
+            "--secure-port",
+            str(_free_port()),
+            "--service-account-private-key-file",
+            str(pki.service_account_key),
+            "--root-ca-file",
+            str(pki.ca_cert),
+            "--use-service-account-credentials=false",
+            "--controllers",
+            "*",
+        ],
+    )
+    launcher.start("kube-scheduler", [*common, "--secure-port", str(_free_port())])
+    progress("starting kwok")
+    launcher.start(
+        "kwok",
+        [
+            "--kubeconfig",
+            str(kubeconfig),
+            "--manage-all-nodes=false",
+            "--manage-nodes-with-label-selector",
+            "=".join(FAKE_NODE_LABEL),
+            # No Stage given: kwok applies its built-in fast stages (node-initialize,
+            # node heartbeat via leases, pod-ready, pod-complete, pod-delete).
+            "--node-lease-duration-seconds",
+            "40",
+            "--server-address",
+            f"127.0.0.1:{_free_port()}",
+        ],
+    )
+    state = ClusterState(str(directory), str(kubeconfig), server, launcher.components)
+    state.save()
+    return state
+
+
+def _register_fake_nodes(
+    state: ClusterState, nodes: int, gpus_per_node: int, progress: Progress
+) -> None:
+    from kubernetes import client, config
+
+    api = client.CoreV1Api(config.new_client_from_config(config_file=state.kubeconfig))
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU_RESOURCE: str(gpus_per_node)}
+    for index in range(nodes):
+        name = f"dlo-gpu-{index}"
+        body = client.V1Node(
+            metadata=client.V1ObjectMeta(
+                name=name,
+                labels={
+                    FAKE_NODE_LABEL[0]: FAKE_NODE_LABEL[1],
+                    "kubernetes.io/hostname": name,
+                    "nvidia.com/gpu.present": "true",
+                },
+                annotations={"node.alpha.kubernetes.io/ttl": "0"},
+            ),
+            status=client.V1NodeStatus(capacity=capacity, allocatable=capacity),
+        )
+        with contextlib.suppress(client.ApiException):
+            api.create_node(body)
+    progress(f"waiting for {nodes} fake GPU nodes to be Ready")
+    kwok_log = Path(next(c.log for c in state.components if c.name == "kwok"))
+
+    def all_ready() -> bool:
+        ready = 0
+        for node in api.list_node(label_selector="=".join(FAKE_NODE_LABEL)).items:
+            conditions = {c.type: c.status for c in node.status.conditions or []}
+            ready += conditions.get("Ready") == "True"
+        return ready == nodes
+
+    _wait(all_ready, 120, "fake nodes", kwok_log)
+
+
+def down(directory: Path | None = None, *, progress: Progress = print) -> None:
+    """Stop every recorded component, newest first; idempotent."""
+    directory = (directory or default_directory()).resolve()
+    state = ClusterState.load(directory)
+    if state is None:
+        return
+    for component in reversed(state.components):
+        if not is_running(component):
+            continue
+        progress(f"stopping {component.name}")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(component.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while is_running(component) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if is_running(component):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(component.pid, signal.SIGKILL)
+    (directory / STATE_FILE).unlink(missing_ok=True)

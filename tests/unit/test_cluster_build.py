@@ -1,0 +1,57 @@
+"""The control-plane build recipe (pure parts): wrapper modules, replaces, version stamps."""
+
+from __future__ import annotations
+
+from tests.cluster.build import (
+    Versions,
+    build_key,
+    kubernetes_ldflags,
+    staging_replaces,
+    wrapper_go_mod,
+)
+
+KUBERNETES_GO_MOD = """module k8s.io/kubernetes
+
+require (
+\tk8s.io/api v0.0.0
+)
+
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/client-go => ./staging/src/k8s.io/client-go
+\tk8s.io/kube-openapi => k8s.io/kube-openapi v0.0.0-2025
+)
+"""
+
+
+def test_every_staging_module_is_replaced_by_its_published_twin() -> None:
+    assert staging_replaces(KUBERNETES_GO_MOD, "v0.34.4") == {
+        "k8s.io/api": "v0.34.4",
+        "k8s.io/client-go": "v0.34.4",
+    }
+
+
+def test_staging_version_follows_the_kubernetes_release() -> None:
+    versions = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5")
+    assert versions.staging_version == "v0.34.4"
+
+
+def test_wrapper_go_mod_requires_and_replaces() -> None:
+    text = wrapper_go_mod("dlo.dev/x", {"k8s.io/kubernetes": "v1.34.4"}, {"k8s.io/api": "v0.34.4"})
+    assert "module dlo.dev/x" in text
+    assert "\tk8s.io/kubernetes v1.34.4" in text
+    assert "\tk8s.io/api => k8s.io/api v0.34.4" in text
+
+
+def test_version_stamps_report_the_real_release() -> None:
+    flags = kubernetes_ldflags("v1.34.4")
+    assert "-X k8s.io/component-base/version.gitVersion=v1.34.4" in flags
+    assert "-X k8s.io/component-base/version.gitMinor=34" in flags
+    assert "-X k8s.io/client-go/pkg/version.gitMajor=1" in flags
+
+
+def test_cache_key_changes_with_any_version() -> None:
+    base = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5")
+    bumped = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.6")
+    assert build_key(base) == build_key(base)
+    assert build_key(base) != build_key(bumped)
