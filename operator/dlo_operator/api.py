@@ -1,0 +1,229 @@
+"""The ``DiffusionDeployment`` API (``dlo.dev/v1alpha1``) as pydantic models.
+
+These models are the single source of the CRD (:mod:`dlo_operator.crd` generates
+``crds/`` from them) and of the operator's view of a resource. Field names are
+snake_case in Python and camelCase on the wire. Rules that CEL can check live
+next to the field (``x-kubernetes-validations``) so the API server refuses a bad
+object before the operator sees it; the DLO compatibility matrix is checked by
+the worker's own configuration code (:func:`dlo_operator.workerconfig.validate`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from dlo_worker.config import DType, Quantization
+
+GROUP = "dlo.dev"
+VERSION = "v1alpha1"
+KIND = "DiffusionDeployment"
+PLURAL = "diffusiondeployments"
+SINGULAR = "diffusiondeployment"
+SHORT_NAMES = ("dd",)
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_ABSOLUTE_CLEAN_PATH = "self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')"
+
+
+def _cel(rule: str, message: str) -> dict[str, Any]:
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+def _absolute_path(description: str, **extra: Any) -> Any:
+    return Field(
+        description=description,
+        json_schema_extra=_cel(_ABSOLUTE_CLEAN_PATH, "must be an absolute path without '..'"),
+        **extra,
+    )
+
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+
+
+class _Api(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class ImagePullPolicy(StrEnum):
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
+class LockedMemory(StrEnum):
+    """How a worker gets a locked-memory limit high enough for mlock or RDMA registration."""
+
+    NONE = "None"
+    """cudaHostRegister/cudaHostAlloc need no RLIMIT_MEMLOCK (ANCHORS.md); the default."""
+    IPC_LOCK = "IpcLock"
+    """Add the IPC_LOCK capability to the worker container."""
+    NRI_ULIMIT = "NriUlimit"
+    """Ask containerd's NRI ulimit adjuster for an unlimited memlock via a Pod annotation."""
+
+
+class ModelSource(_Api):
+    """Where the diffusers-format model directory comes from; exactly one source."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "[has(self.hostPath), has(self.persistentVolumeClaim), has(self.imagePath)]"
+            ".filter(x, x).size() == 1",
+            "set exactly one of hostPath, persistentVolumeClaim, imagePath",
+        )
+    )
+
+    host_path: str | None = _absolute_path(
+        "Directory on every node (hostPath volume).", default=None
+    )
+    persistent_volume_claim: str | None = Field(
+        default=None, min_length=1, description="Name of a PVC in the same namespace."
+    )
+    image_path: str | None = _absolute_path(
+        "Path of a model baked into the worker image (no volume).", default=None
+    )
+    mount_path: str = _absolute_path(
+        "Where the model appears in the worker container.", default="/models/model"
+    )
+
+
+class WorkerImage(_Api):
+    image: str = Field(min_length=1, description="Worker container image (entrypoint dlo-worker).")
+    image_pull_policy: ImagePullPolicy = ImagePullPolicy.IF_NOT_PRESENT
+
+
+class Hsdp(_Api):
+    enabled: bool = False
+    shard_size: int = Field(default=-1, ge=-1, description="-1 = world size / replicate size.")
+    replicate_size: int = Field(default=1, ge=1)
+
+
+class Parallelism(_Api):
+    """Parallel sizes of one engine; its world size is data x sequence x tensor."""
+
+    data: int = Field(default=1, ge=1, description="DP ranks (request lanes) per engine.")
+    sequence: int = Field(default=1, ge=1, description="SP ranks per engine.")
+    tensor: int = Field(default=1, ge=1, description="TP ranks per engine.")
+    hsdp: Hsdp = Hsdp()
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.sequence * self.tensor
+
+
+class RuntimeCache(_Api):
+    """The node-local runtime weight cache (no-AllGather only)."""
+
+    enabled: bool = False
+    host_path: str = _absolute_path(
+        "Node directory holding cache entries; the same path on every node so engines on a "
+        "node share one copy.",
+        default="/var/cache/dlo-worker",
+    )
+    lock_timeout_seconds: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    pin_limit_gib: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        alias="pinLimitGiB",
+        description="Host-registration budget per worker process (GiB); 0 = bounded staging.",
+    )
+    size_budget_gib: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        alias="sizeBudgetGiB",
+        description="Upper bound of the cache directory on a node (GiB).",
+    )
+
+
+class Offload(_Api):
+    """DLO options, mirroring the worker's ``--dlo-*`` flags."""
+
+    enabled: bool = Field(default=True, description="Stream DiT blocks with DLO.")
+    use_all_gather: bool = Field(default=True, description="Shard host weights over DP/SP.")
+    resident_layers: int = Field(default=0, ge=0)
+    block_paths: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, description="DiT block-list attribute paths (default: discovered)."
+    )
+    runtime_cache: RuntimeCache = RuntimeCache()
+
+
+class Resources(_Api):
+    """Per-Pod resources besides GPUs (which come from gpusPerNode)."""
+
+    cpu: Quantity | None = None
+    memory: Quantity | None = Field(
+        default=None,
+        description="Memory limit per Pod; it must hold the pinned/registered host budget.",
+    )
+
+
+class Scheduling(_Api):
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    affinity: dict[str, Any] | None = None
+    topology_key: str | None = Field(
+        default=None,
+        description="Node label that keeps all Pods of one engine in one domain "
+        "(e.g. an NVLink or rack label).",
+    )
+
+
+class DiffusionDeploymentSpec(_Api):
+    """The desired state: ``replicas`` independent engines of one model."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "(self.parallelism.data * self.parallelism.sequence * self.parallelism.tensor)"
+            " % self.gpusPerNode == 0",
+            "the world size (data x sequence x tensor) must be divisible by gpusPerNode",
+        )
+    )
+
+    model: ModelSource
+    worker: WorkerImage
+    replicas: int = Field(default=1, ge=0, description="Independent engines.")
+    parallelism: Parallelism = Parallelism()
+    gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs (ranks) per Pod.")
+    dtype: DType = DType.AUTO
+    quantization: Quantization = Quantization.NONE
+    offload: Offload = Offload()
+    resources: Resources = Resources()
+    shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
+    scheduling: Scheduling = Scheduling()
+    port: int = Field(default=8000, ge=1, le=65535, description="Worker HTTP port.")
+    termination_grace_period_seconds: int = Field(
+        default=120, ge=0, description="Time for drain, DLO disable and process-group teardown."
+    )
+    locked_memory: LockedMemory = LockedMemory.NONE
+
+
+class Condition(_Api):
+    type: str
+    status: str = Field(pattern="^(True|False|Unknown)$")
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class EngineStatus(_Api):
+    index: int
+    phase: str
+    pods: list[str] = []
+    restarts: int = 0
+
+
+class DiffusionDeploymentStatus(_Api):
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str = ""
+    observed_generation: int | None = None
+    conditions: list[Condition] = []
+    engines: list[EngineStatus] = []

@@ -1,0 +1,96 @@
+"""The worker configuration a DiffusionDeployment implies, and the rules only the operator knows.
+
+The DLO compatibility matrix is not restated here: the spec is mapped onto
+:class:`dlo_worker.config.WorkerConfig` and the worker's own validation decides,
+so an invalid spec is reported with exactly the message ``dlo-worker`` would print.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from kubernetes.utils import parse_quantity
+
+from dlo_operator.api import DiffusionDeploymentSpec
+from dlo_worker.config import ConfigError, WorkerConfig, build_config
+
+RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
+"""Where the node's runtime-cache hostPath appears inside every worker container."""
+
+GIB = Decimal(2**30)
+
+
+class InvalidSpecError(ValueError):
+    """The spec passed the API server's schema but cannot run; the message says why."""
+
+
+def model_path(spec: DiffusionDeploymentSpec) -> str:
+    """The model directory as the worker sees it."""
+    return spec.model.image_path or spec.model.mount_path
+
+
+def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
+    """The worker configuration of every rank of an engine (raises InvalidSpecError)."""
+    parallelism, offload = spec.parallelism, spec.offload
+    cache = offload.runtime_cache
+    offload_values: dict[str, object] = {
+        "enable_distributed_layerwise_offload": offload.enabled,
+        "dlo_use_allgather": offload.use_all_gather,
+        "dlo_resident_layers": offload.resident_layers,
+        "dlo_block_paths": tuple(offload.block_paths) if offload.block_paths else None,
+        "dlo_enable_runtime_cache": cache.enabled,
+        "dlo_runtime_cache_pin_limit_gib": cache.pin_limit_gib,
+    }
+    if cache.enabled:
+        offload_values["dlo_runtime_cache_root"] = RUNTIME_CACHE_MOUNT_PATH
+        offload_values["dlo_runtime_cache_lock_timeout"] = cache.lock_timeout_seconds
+    try:
+        return build_config(
+            {
+                "model": {
+                    "model": model_path(spec),
+                    "dtype": spec.dtype,
+                    "device": "cuda",
+                    "quantization": spec.quantization,
+                },
+                "parallel": {
+                    "data_parallel_size": parallelism.data,
+                    "sequence_parallel_size": parallelism.sequence,
+                    "tensor_parallel_size": parallelism.tensor,
+                    "use_hsdp": parallelism.hsdp.enabled,
+                    "hsdp_shard_size": parallelism.hsdp.shard_size,
+                    "hsdp_replicate_size": parallelism.hsdp.replicate_size,
+                },
+                "offload": offload_values,
+            }
+        )
+    except ConfigError as error:
+        raise InvalidSpecError(str(error)) from None
+
+
+def pinned_budget_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
+    """Host memory each Pod page-locks on purpose: the registration budget of every rank."""
+    cache = spec.offload.runtime_cache
+    if not (spec.offload.enabled and cache.enabled):
+        return Decimal(0)
+    return Decimal(str(cache.pin_limit_gib)) * GIB * spec.gpus_per_node
+
+
+def memory_floor_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
+    """The least memory limit a Pod needs: pinned budget plus the memory-backed /dev/shm."""
+    return pinned_budget_bytes(spec) + parse_quantity(spec.shm_size)
+
+
+def validate(spec: DiffusionDeploymentSpec) -> WorkerConfig:
+    """Everything the API server cannot check; returns the worker configuration."""
+    config = worker_config(spec)
+    if spec.resources.memory is not None:
+        limit, floor = parse_quantity(spec.resources.memory), memory_floor_bytes(spec)
+        if limit < floor:
+            raise InvalidSpecError(
+                f"resources.memory {spec.resources.memory} cannot hold the pinned budget "
+                f"(runtimeCache.pinLimitGiB {spec.offload.runtime_cache.pin_limit_gib} x "
+                f"gpusPerNode {spec.gpus_per_node}) plus shmSize {spec.shm_size} = "
+                f"{float(floor / GIB):.1f} GiB; raise resources.memory or lower the budget"
+            )
+    return config

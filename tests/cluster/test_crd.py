@@ -1,0 +1,117 @@
+"""The generated DiffusionDeployment CRD on a real API server: defaults, CEL rules, scale."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from dlo_operator.api import GROUP, PLURAL, VERSION
+from dlo_operator.crd import custom_resource_definition
+from tests.cluster.test_smoke import eventually
+
+
+@pytest.fixture(scope="module")
+def crd(api_client) -> None:
+    extensions = client.ApiextensionsV1Api(api_client)
+    body = custom_resource_definition()
+    name = body["metadata"]["name"]
+    try:
+        extensions.create_custom_resource_definition(body)
+    except client.ApiException as error:
+        if error.status != 409:
+            raise
+        current = extensions.read_custom_resource_definition(name)
+        body["metadata"]["resourceVersion"] = current.metadata.resource_version
+        extensions.replace_custom_resource_definition(name, body)
+    eventually(
+        lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in extensions.read_custom_resource_definition(name).status.conditions or []
+        )
+    )
+
+
+def manifest(name: str, **spec: Any) -> dict[str, Any]:
+    base = {
+        "model": {"hostPath": "/models/flux"},
+        "worker": {"image": "dlo-worker:0.1"},
+        "gpusPerNode": 2,
+        "parallelism": {"data": 2},
+    }
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "DiffusionDeployment",
+        "metadata": {"name": name},
+        "spec": {**base, **spec},
+    }
+
+
+def create(api_client, namespace: str, body: dict) -> dict:
+    objects = client.CustomObjectsApi(api_client)
+    created: dict = {}
+
+    def attempt() -> bool:
+        try:
+            created.update(
+                objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+            )
+        except client.ApiException as error:
+            if error.status == 404:  # discovery still catching up with a new CRD
+                return False
+            raise
+        return True
+
+    eventually(attempt, 30)
+    return created
+
+
+def test_defaults_are_applied_by_the_api_server(api_client, crd, namespace) -> None:
+    created = create(api_client, namespace, manifest("defaults"))
+    spec = created["spec"]
+    assert spec["replicas"] == 1
+    assert spec["offload"]["useAllGather"] is True
+    assert spec["offload"]["runtimeCache"]["hostPath"] == "/var/cache/dlo-worker"
+    assert spec["model"]["mountPath"] == "/models/model"
+    assert spec["lockedMemory"] == "None"
+
+
+def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
+    create(api_client, namespace, manifest("scaled"))
+    objects = client.CustomObjectsApi(api_client)
+    objects.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, namespace, PLURAL, "scaled", {"spec": {"replicas": 3}}
+    )
+    current = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "scaled")
+    assert current["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"gpusPerNode": 4}, "must be divisible by gpusPerNode"),
+        ({"model": {"hostPath": "/m", "imagePath": "/n"}}, "set exactly one of hostPath"),
+        ({"model": {"hostPath": "/models/../etc"}}, "absolute path without '..'"),
+        ({"offload": {"runtimeCache": {"hostPath": "relative"}}}, "absolute path without '..'"),
+        ({"replicas": -1}, "spec.replicas"),
+        ({"shmSize": "lots"}, "spec.shmSize"),
+        ({"quantization": "int3"}, "spec.quantization"),
+    ],
+    ids=[
+        "world-size",
+        "two-model-sources",
+        "dotdot",
+        "relative-cache",
+        "replicas",
+        "shm",
+        "quantization",
+    ],
+)
+def test_invalid_specs_are_refused_by_the_api_server(
+    api_client, crd, namespace, spec, message
+) -> None:
+    with pytest.raises(client.ApiException) as refused:
+        create(api_client, namespace, manifest("refused", **spec))
+    assert refused.value.status == 422
+    assert message in refused.value.body

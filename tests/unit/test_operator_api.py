@@ -1,0 +1,88 @@
+"""The DiffusionDeployment API: generated CRD in sync, structural, and the worker's own rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dlo_operator.api import DiffusionDeploymentSpec
+from dlo_operator.crd import custom_resource_definition, render_yaml
+from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
+from dlo_worker.config import TransferMode
+
+CRD_FILE = Path(__file__).parents[2] / "crds" / "diffusiondeployments.dlo.dev.yaml"
+
+
+def spec(**overrides: Any) -> DiffusionDeploymentSpec:
+    base: dict[str, Any] = {
+        "model": {"hostPath": "/models/flux"},
+        "worker": {"image": "dlo-worker:0.1"},
+        "gpusPerNode": 2,
+        "parallelism": {"data": 2},
+    }
+    return DiffusionDeploymentSpec.model_validate({**base, **overrides})
+
+
+def test_committed_crd_matches_the_models() -> None:
+    assert CRD_FILE.read_text() == render_yaml(), (
+        "crds/ is stale: run python -m dlo_operator.crd > crds/diffusiondeployments.dlo.dev.yaml"
+    )
+
+
+def _walk(node: Any):
+    if isinstance(node, dict):
+        yield node
+        for value in node.values():
+            yield from _walk(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _walk(value)
+
+
+def test_schema_is_structural() -> None:
+    schema = custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for node in _walk(schema):
+        assert "$ref" not in node
+        assert "anyOf" not in node
+        assert node.get("additionalProperties") is not False
+        if "properties" in node:
+            assert node.get("type") == "object"
+    assert yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["subresources"]["scale"]
+
+
+def test_spec_maps_onto_the_worker_configuration() -> None:
+    config = worker_config(spec())
+    assert config.parallel.data_parallel_size == 2
+    assert config.model.model == Path("/models/model")
+    assert config.effective().transfer_mode == TransferMode.ALLGATHER
+
+
+def test_model_baked_into_the_image_is_used_in_place() -> None:
+    config = worker_config(spec(model={"imagePath": "/opt/models/dit"}))
+    assert config.model.model == Path("/opt/models/dit")
+
+
+def test_invalid_dlo_combination_carries_the_workers_message() -> None:
+    with pytest.raises(InvalidSpecError) as error:
+        validate(spec(parallelism={"sequence": 2, "hsdp": {"enabled": True}}))
+    assert "--use-hsdp cannot be combined with DLO AllGather" in str(error.value)
+
+
+def test_runtime_cache_needs_no_allgather_per_the_worker() -> None:
+    with pytest.raises(InvalidSpecError, match="--dlo-enable-runtime-cache requires"):
+        validate(spec(offload={"runtimeCache": {"enabled": True}}))
+
+
+def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:
+    cache = {"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 40}}
+    with pytest.raises(InvalidSpecError, match=r"resources\.memory 64Gi cannot hold"):
+        validate(spec(offload=cache, resources={"memory": "64Gi"}))
+    validate(spec(offload=cache, resources={"memory": "100Gi"}))
+
+
+def test_resident_layers_without_dlo_are_rejected_like_the_worker_does() -> None:
+    with pytest.raises(InvalidSpecError, match="--enable-distributed-layerwise-offload"):
+        validate(spec(offload={"enabled": False, "residentLayers": 2}))
