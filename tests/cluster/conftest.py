@@ -7,8 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
+from dlo_operator.crd import custom_resource_definition
 from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.helpers import eventually
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +33,6 @@ def api_client(cluster: ClusterState):
 
 @pytest.fixture
 def namespace(api_client) -> Iterator[str]:
-    from kubernetes import client
-
     name = f"t-{uuid.uuid4().hex[:10]}"
     core = client.CoreV1Api(api_client)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
@@ -46,3 +47,24 @@ def cluster_bin(cluster: ClusterState) -> Path:
     from tests.cluster.build import Builder
 
     return Builder().bin
+
+
+@pytest.fixture(scope="session")
+def crd(api_client) -> None:
+    extensions = client.ApiextensionsV1Api(api_client)
+    body = custom_resource_definition()
+    name = body["metadata"]["name"]
+    try:
+        extensions.create_custom_resource_definition(body)
+    except client.ApiException as error:
+        if error.status != 409:
+            raise
+        current = extensions.read_custom_resource_definition(name)
+        body["metadata"]["resourceVersion"] = current.metadata.resource_version
+        extensions.replace_custom_resource_definition(name, body)
+    eventually(
+        lambda: any(
+            c.type == "Established" and c.status == "True"
+            for c in extensions.read_custom_resource_definition(name).status.conditions or []
+        )
+    )

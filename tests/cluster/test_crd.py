@@ -2,69 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from dlo_operator.crd import custom_resource_definition
-from tests.cluster.test_smoke import eventually
-
-
-@pytest.fixture(scope="module")
-def crd(api_client) -> None:
-    extensions = client.ApiextensionsV1Api(api_client)
-    body = custom_resource_definition()
-    name = body["metadata"]["name"]
-    try:
-        extensions.create_custom_resource_definition(body)
-    except client.ApiException as error:
-        if error.status != 409:
-            raise
-        current = extensions.read_custom_resource_definition(name)
-        body["metadata"]["resourceVersion"] = current.metadata.resource_version
-        extensions.replace_custom_resource_definition(name, body)
-    eventually(
-        lambda: any(
-            c.type == "Established" and c.status == "True"
-            for c in extensions.read_custom_resource_definition(name).status.conditions or []
-        )
-    )
-
-
-def manifest(name: str, **spec: Any) -> dict[str, Any]:
-    base = {
-        "model": {"hostPath": "/models/flux"},
-        "worker": {"image": "dlo-worker:0.1"},
-        "gpusPerNode": 2,
-        "parallelism": {"data": 2},
-    }
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "DiffusionDeployment",
-        "metadata": {"name": name},
-        "spec": {**base, **spec},
-    }
-
-
-def create(api_client, namespace: str, body: dict) -> dict:
-    objects = client.CustomObjectsApi(api_client)
-    created: dict = {}
-
-    def attempt() -> bool:
-        try:
-            created.update(
-                objects.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-            )
-        except client.ApiException as error:
-            if error.status == 404:  # discovery still catching up with a new CRD
-                return False
-            raise
-        return True
-
-    eventually(attempt, 30)
-    return created
+from tests.cluster.helpers import create, manifest
 
 
 def test_defaults_are_applied_by_the_api_server(api_client, crd, namespace) -> None:

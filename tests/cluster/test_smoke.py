@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
+from tests.cluster.helpers import eventually
+
 GROUP = "smoke.dlo.dev"
-
-
-def eventually(check: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"condition not met within {timeout_s} s")
 
 
 def test_apiserver_reports_its_real_version(api_client) -> None:

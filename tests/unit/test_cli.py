@@ -9,7 +9,13 @@ import sys
 import pytest
 
 from dlo_worker.cli import build_parser, main
-from dlo_worker.config import NEGATIVE_FLAGS, ModelOptions, OffloadOptions, ParallelOptions
+from dlo_worker.config import (
+    NEGATIVE_FLAGS,
+    ModelOptions,
+    OffloadOptions,
+    ParallelOptions,
+    WorkerConfig,
+)
 
 DESIGN_DOC_FLAGS = [
     "--enable-distributed-layerwise-offload",
@@ -206,3 +212,60 @@ def test_configuration_doc_lists_every_option_and_its_flag() -> None:
     for model in (ModelOptions, ParallelOptions, OffloadOptions):
         for name in model.model_fields:
             assert f"| `{name}` | `--{name.replace('_', '-')}`" in doc, name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--enable-distributed-layerwise-offload", "--data-parallel-size", "4"],
+        [
+            "--enable-distributed-layerwise-offload",
+            "--dlo-no-use-allgather",
+            "--dlo-resident-layers",
+            "2",
+            "--dlo-enable-runtime-cache",
+            "--dlo-runtime-cache-root",
+            "/var/cache/x",
+            "--dlo-runtime-cache-lock-timeout",
+            "30.5",
+            "--dlo-runtime-cache-pin-limit-gib",
+            "12",
+            "--tensor-parallel-size",
+            "2",
+            "--dlo-block-paths",
+            "transformer_blocks,single_transformer_blocks",
+        ],
+        [
+            "--model",
+            "/models/m",
+            "--dtype",
+            "bfloat16",
+            "--device",
+            "cuda",
+            "--quantization",
+            "fp8",
+            "--enable-distributed-layerwise-offload",
+            "--sequence-parallel-size",
+            "2",
+        ],
+        [
+            "--use-hsdp",
+            "--sequence-parallel-size",
+            "4",
+            "--hsdp-replicate-size",
+            "2",
+            "--enable-distributed-layerwise-offload",
+            "--dlo-no-use-allgather",
+        ],
+    ],
+)
+def test_to_flags_is_the_inverse_of_parsing(capsys, argv: list[str]) -> None:
+    from dlo_worker.config import to_flags
+
+    code, out, _ = run(capsys, "config", *argv)
+    assert code == 0
+    config = WorkerConfig.model_validate(json.loads(out)["config"])
+    code, again, _ = run(capsys, "config", *to_flags(config))
+    assert code == 0
+    assert json.loads(again)["config"] == json.loads(out)["config"]

@@ -456,6 +456,31 @@ def default_runtime_cache_root() -> Path:
     return Path(base) / "dlo-worker" / "runtime-cache"
 
 
+def _flag_value(value: object) -> str:
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def to_flags(config: WorkerConfig) -> list[str]:
+    """The CLI flags that reproduce ``config`` (non-default fields only); the inverse of
+    parsing. The operator renders worker command lines with it."""
+    flags: list[str] = []
+    for group_name in WorkerConfig.model_fields:
+        group = getattr(config, group_name)
+        for name, field in type(group).model_fields.items():
+            value = getattr(group, name)
+            if value == field.default:
+                continue
+            if isinstance(value, bool):
+                flags.append(flag_for(name) if value else NEGATIVE_FLAGS[name])
+            else:
+                flags += [flag_for(name), _flag_value(value)]
+    return flags
+
+
 class ConfigError(ValueError):
     """An invalid configuration, as one line that names the options and the fix."""
 
