@@ -12,18 +12,13 @@ from dlo_operator.api import DiffusionDeploymentSpec
 from dlo_operator.crd import custom_resource_definition, render_yaml
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
 from dlo_worker.config import TransferMode
+from tests.support.deployments import deployment_spec
 
 CRD_FILE = Path(__file__).parents[2] / "crds" / "diffusiondeployments.dlo.dev.yaml"
 
 
 def spec(**overrides: Any) -> DiffusionDeploymentSpec:
-    base: dict[str, Any] = {
-        "model": {"hostPath": "/models/flux"},
-        "worker": {"image": "dlo-worker:0.1"},
-        "gpusPerNode": 2,
-        "parallelism": {"data": 2},
-    }
-    return DiffusionDeploymentSpec.model_validate({**base, **overrides})
+    return deployment_spec(**overrides)
 
 
 def test_committed_crd_matches_the_models() -> None:

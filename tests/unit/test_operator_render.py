@@ -20,18 +20,14 @@ from dlo_operator.render import (
 )
 from dlo_operator.workerconfig import worker_config
 from dlo_worker.cli import main as worker_main
+from tests.support.deployments import deployment_spec
 
 OWNER = Owner(name="flux", namespace="serving", uid="1234")
 
 
 def spec(**overrides: Any) -> DiffusionDeploymentSpec:
-    base: dict[str, Any] = {
-        "model": {"hostPath": "/models/flux"},
-        "worker": {"image": "dlo-worker:0.1"},
-        "gpusPerNode": 2,
-        "parallelism": {"data": 4},
-    }
-    return DiffusionDeploymentSpec.model_validate({**base, **overrides})
+    """Engines of two Pods each."""
+    return deployment_spec(**{"parallelism": {"data": 4}, **overrides})
 
 
 def by_kind(objects: list[dict], kind: str) -> list[dict]:

@@ -1,0 +1,187 @@
+"""Reconcile as a pure function: engines are created, restarted, rolled and scaled as units."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dlo_operator.api import DiffusionDeploymentSpec, DiffusionDeploymentStatus
+from dlo_operator.reconcile import EnginePhase, ObservedPod, reconcile
+from dlo_operator.render import Owner, render_engine, spec_hash
+from tests.support.deployments import deployment_spec
+
+OWNER = Owner(name="flux", namespace="serving", uid="1234")
+
+
+def spec(**overrides: Any) -> DiffusionDeploymentSpec:
+    """Two engines of two Pods each."""
+    return deployment_spec(**{"parallelism": {"data": 4}, "replicas": 2, **overrides})
+
+
+def running(
+    desired: DiffusionDeploymentSpec,
+    engines: range | list[int],
+    *,
+    ready: bool = True,
+    phase: str = "Running",
+    hash_of: DiffusionDeploymentSpec | None = None,
+    terminating: bool = False,
+) -> list[ObservedPod]:
+    """Observed Pods as the API server would report them for the rendered engines."""
+    pods = []
+    for engine in engines:
+        for item in render_engine(OWNER, hash_of or desired, engine):
+            if item["kind"] != "Pod":
+                continue
+            item["status"] = {
+                "phase": phase,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            }
+            if terminating:
+                item["metadata"]["deletionTimestamp"] = "2026-11-29T00:00:00Z"
+            pods.append(ObservedPod.from_manifest(item))
+    return pods
+
+
+def conditions(status: DiffusionDeploymentStatus) -> dict[str, str]:
+    return {c.type: c.status for c in status.conditions}
+
+
+def pod_names(objects: list[dict]) -> list[str]:
+    return [o["metadata"]["name"] for o in objects if o["kind"] == "Pod"]
+
+
+def test_a_new_deployment_creates_every_engine() -> None:
+    actions = reconcile(OWNER, spec(), 1, [], DiffusionDeploymentStatus())
+    assert pod_names(actions.create) == ["flux-e0-n0", "flux-e0-n1", "flux-e1-n0", "flux-e1-n1"]
+    kinds = sorted({o["kind"] for o in actions.create})
+    assert kinds == ["Pod", "PodDisruptionBudget", "Service"]
+    assert actions.delete_pods == []
+    assert actions.status.replicas == 2
+    assert actions.status.ready_replicas == 0
+    assert conditions(actions.status)["Available"] == "False"
+    assert conditions(actions.status)["Progressing"] == "True"
+    assert actions.status.selector == "dlo.dev/deployment=flux"
+
+
+def test_a_ready_deployment_is_available_and_left_alone() -> None:
+    desired = spec()
+    actions = reconcile(OWNER, desired, 3, running(desired, range(2)), DiffusionDeploymentStatus())
+    assert pod_names(actions.create) == []
+    assert actions.delete_pods == []
+    assert actions.status.ready_replicas == 2
+    assert conditions(actions.status) == {
+        "Available": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+        "InvalidSpec": "False",
+    }
+    assert [e.phase for e in actions.status.engines] == [EnginePhase.READY, EnginePhase.READY]
+    assert actions.status.observed_generation == 3
+
+
+def test_a_failed_pod_restarts_its_whole_engine_leader_last() -> None:
+    desired = spec()
+    pods = running(desired, [0])
+    failed = running(desired, [1])
+    failed[1] = dataclasses.replace(failed[1], phase="Failed", ready=False)
+    actions = reconcile(OWNER, desired, 1, pods + failed, DiffusionDeploymentStatus())
+    assert actions.delete_pods == ["flux-e1-n1", "flux-e1-n0"]
+    assert actions.status.engines[1].restarts == 1
+    assert actions.status.engines[0].restarts == 0
+    assert conditions(actions.status)["Degraded"] == "True"
+    assert any(event.reason == "EngineRestart" and event.warning for event in actions.events)
+
+
+def test_a_deleted_pod_restarts_its_engine() -> None:
+    desired = spec()
+    pods = running(desired, range(2))
+    survivors = [pod for pod in pods if pod.name != "flux-e0-n1"]
+    actions = reconcile(OWNER, desired, 1, survivors, DiffusionDeploymentStatus())
+    assert actions.delete_pods == ["flux-e0-n0"]
+    assert actions.status.engines[0].restarts == 1
+
+
+def test_a_restarting_engine_is_counted_once_and_recreated_when_gone() -> None:
+    desired = spec(replicas=1)
+    created = reconcile(OWNER, desired, 1, [], DiffusionDeploymentStatus()).status
+    previous = created.model_copy(
+        update={"engines": [created.engines[0].model_copy(update={"restarts": 1})]}
+    )
+    terminating = running(desired, [0], terminating=True, phase="Failed")
+    waiting = reconcile(OWNER, desired, 1, terminating, previous)
+    assert waiting.delete_pods == []
+    assert pod_names(waiting.create) == []
+    assert waiting.status.engines[0].restarts == 1
+    recreated = reconcile(OWNER, desired, 1, [], waiting.status)
+    assert pod_names(recreated.create) == ["flux-e0-n0", "flux-e0-n1"]
+    assert recreated.status.engines[0].restarts == 1
+
+
+def test_a_spec_change_rolls_one_engine_at_a_time() -> None:
+    old, new = spec(), spec(shmSize="8Gi")
+    assert spec_hash(old) != spec_hash(new)
+    first = reconcile(
+        OWNER, new, 2, running(new, range(2), hash_of=old), DiffusionDeploymentStatus()
+    )
+    assert first.delete_pods == ["flux-e0-n1", "flux-e0-n0"]
+    # Engine 0 is being replaced: engine 1 waits even though it is outdated too.
+    replacing = running(new, [0], terminating=True, hash_of=old) + running(new, [1], hash_of=old)
+    second = reconcile(OWNER, new, 2, replacing, first.status)
+    assert second.delete_pods == []
+    # Engine 0 is back on the new spec and ready: now engine 1.
+    third = reconcile(
+        OWNER, new, 2, running(new, [0]) + running(new, [1], hash_of=old), second.status
+    )
+    assert third.delete_pods == ["flux-e1-n1", "flux-e1-n0"]
+
+
+def test_scaling_down_removes_the_highest_engines_workers_first() -> None:
+    desired = spec(replicas=1)
+    actions = reconcile(OWNER, desired, 1, running(desired, range(3)), DiffusionDeploymentStatus())
+    assert actions.delete_pods == ["flux-e2-n1", "flux-e2-n0", "flux-e1-n1", "flux-e1-n0"]
+    assert actions.status.replicas == 1
+
+
+def test_scaling_up_creates_only_the_new_engines() -> None:
+    desired = spec(replicas=3)
+    actions = reconcile(OWNER, desired, 1, running(desired, range(2)), DiffusionDeploymentStatus())
+    assert pod_names(actions.create) == ["flux-e2-n0", "flux-e2-n1"]
+
+
+def test_an_interrupted_creation_is_completed() -> None:
+    desired = spec(replicas=1)
+    partial = running(desired, [0], phase="Pending", ready=False)[:1]
+    actions = reconcile(OWNER, desired, 1, partial, DiffusionDeploymentStatus())
+    assert pod_names(actions.create) == ["flux-e0-n1"]
+    assert actions.delete_pods == []
+
+
+def test_an_invalid_spec_creates_nothing_and_says_why() -> None:
+    invalid = spec(parallelism={"data": 2, "sequence": 2, "hsdp": {"enabled": True}})
+    actions = reconcile(OWNER, invalid, 4, [], DiffusionDeploymentStatus())
+    assert actions.create == []
+    assert actions.delete_pods == []
+    by_type = {c.type: c for c in actions.status.conditions}
+    assert by_type["InvalidSpec"].status == "True"
+    assert "--use-hsdp" in by_type["InvalidSpec"].message
+    assert by_type["InvalidSpec"].observed_generation == 4
+    assert actions.events[0].warning
+
+
+def test_transition_time_moves_only_when_a_condition_changes() -> None:
+    desired = spec()
+    first = reconcile(OWNER, desired, 1, running(desired, range(2)), DiffusionDeploymentStatus())
+    stamped = first.status.model_copy(
+        update={
+            "conditions": [
+                c.model_copy(update={"last_transition_time": "2000-01-01T00:00:00Z"})
+                for c in first.status.conditions
+            ]
+        }
+    )
+    again = reconcile(OWNER, desired, 1, running(desired, range(2)), stamped)
+    assert {c.last_transition_time for c in again.status.conditions} == {"2000-01-01T00:00:00Z"}
+    broken = reconcile(OWNER, desired, 1, running(desired, [0]), stamped)
+    times = {c.type: c.last_transition_time for c in broken.status.conditions}
+    assert times["Available"] != "2000-01-01T00:00:00Z"
