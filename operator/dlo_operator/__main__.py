@@ -1,0 +1,45 @@
+"""``dlo-operator`` (or ``python -m dlo_operator``): run the kopf operator.
+
+Watches every namespace unless ``--namespace`` is given; ``--liveness`` serves
+kopf's health endpoint for the Deployment's liveness probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dlo-operator", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="Watch only this namespace (repeatable; default: all).",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="Liveness endpoint URL (default: %(default)s).",
+    )
+    parser.add_argument("--verbose", action="store_true", help="Log every handler run.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
+    )
+    import dlo_operator.handlers  # noqa: F401 (registers the handlers with kopf)
+
+    kopf.run(
+        standalone=True,
+        namespaces=args.namespace or None,
+        clusterwide=not args.namespace,
+        liveness_endpoint=args.liveness,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""The operator as a process against the real control plane: engines, status, restarts, rolls,
+scaling, invalid specs and deletion."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from dlo_operator.api import GROUP, PLURAL, VERSION
+from dlo_operator.render import ANNOTATION_SPEC_HASH
+from tests.cluster.control_plane import _free_port
+from tests.cluster.helpers import create, eventually, manifest
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[str]:
+    """``dlo-operator`` watching the test's namespace; yields its liveness URL."""
+    port = _free_port()
+    log = (tmp_path / "operator.log").open("w")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kopf",
+            "run",
+            "--standalone",
+            "--namespace",
+            namespace,
+            "--liveness",
+            f"http://127.0.0.1:{port}/healthz",
+            "-m",
+            "dlo_operator.handlers",
+        ],
+        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/healthz"
+    eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
+    try:
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def _status(api_client, namespace: str, name: str) -> dict:
+    body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+    return body.get("status") or {}
+
+
+def _condition(status: dict, kind: str) -> str | None:
+    return next((c["status"] for c in status.get("conditions", []) if c["type"] == kind), None)
+
+
+def _pods(api_client, namespace: str) -> list:
+    return [
+        p
+        for p in client.CoreV1Api(api_client).list_namespaced_pod(namespace).items
+        if not p.metadata.deletion_timestamp
+    ]
+
+
+def test_operator_runs_engines_end_to_end(api_client, operator, namespace) -> None:
+    create(api_client, namespace, manifest("flux", replicas=2, parallelism={"data": 4}))
+
+    def available(ready: int) -> bool:
+        status = _status(api_client, namespace, "flux")
+        return _condition(status, "Available") == "True" and status["readyReplicas"] == ready
+
+    eventually(lambda: available(2), 120, "two engines Available")
+    pods = sorted(p.metadata.name for p in _pods(api_client, namespace))
+    assert pods == ["flux-e0-n0", "flux-e0-n1", "flux-e1-n0", "flux-e1-n1"]
+    services = {
+        s.metadata.name
+        for s in client.CoreV1Api(api_client).list_namespaced_service(namespace).items
+    }
+    assert services == {"flux", "flux-e0", "flux-e1"}
+    budgets = client.PolicyV1Api(api_client).list_namespaced_pod_disruption_budget(namespace)
+    assert len(budgets.items) == 2
+
+    # A lost rank restarts its whole engine.
+    client.CoreV1Api(api_client).delete_namespaced_pod("flux-e1-n1", namespace)
+    eventually(
+        lambda: _status(api_client, namespace, "flux")["engines"][1]["restarts"] >= 1,
+        120,
+        "engine 1 restart counted",
+    )
+    eventually(lambda: available(2), 120, "Available again after the restart")
+
+    # kubectl scale (the scale subresource) removes a whole engine.
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+        GROUP, VERSION, namespace, PLURAL, "flux", {"spec": {"replicas": 1}}
+    )
+    eventually(
+        lambda: (
+            sorted(p.metadata.name for p in _pods(api_client, namespace))
+            == ["flux-e0-n0", "flux-e0-n1"]
+        ),
+        120,
+        "engine 1 removed",
+    )
+
+    # A spec change replaces the engine's Pods.
+    old_hash = _pods(api_client, namespace)[0].metadata.annotations[ANNOTATION_SPEC_HASH]
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "flux", {"spec": {"shmSize": "8Gi"}}
+    )
+
+    def rolled() -> bool:
+        pods = _pods(api_client, namespace)
+        return len(pods) == 2 and all(
+            p.metadata.annotations[ANNOTATION_SPEC_HASH] != old_hash for p in pods
+        )
+
+    eventually(rolled, 120, "engine rolled to the new spec")
+    eventually(lambda: available(1), 120, "Available after the roll")
+
+
+def test_invalid_spec_creates_nothing_and_reports_why(api_client, operator, namespace) -> None:
+    create(
+        api_client,
+        namespace,
+        manifest(
+            "bad", parallelism={"data": 2, "sequence": 2, "hsdp": {"enabled": True}}, gpusPerNode=2
+        ),
+    )
+
+    def reported() -> bool:
+        return _condition(_status(api_client, namespace, "bad"), "InvalidSpec") == "True"
+
+    eventually(reported, 60, "InvalidSpec condition")
+    message = next(
+        c["message"]
+        for c in _status(api_client, namespace, "bad")["conditions"]
+        if c["type"] == "InvalidSpec"
+    )
+    assert "--use-hsdp cannot be combined with DLO AllGather" in message
+    assert _pods(api_client, namespace) == []
