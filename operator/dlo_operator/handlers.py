@@ -26,7 +26,7 @@ from dlo_operator.api import (
     DiffusionDeploymentSpec,
     DiffusionDeploymentStatus,
 )
-from dlo_operator.reconcile import Actions, Event, ObservedPod, reconcile
+from dlo_operator.reconcile import Actions, Event, ObservedPod, deletion_order, reconcile
 from dlo_operator.render import LABEL_DEPLOYMENT, Owner
 
 ANNOTATION_PREFIX = GROUP
@@ -130,6 +130,32 @@ def on_change(name: str, namespace: str, **_: Any) -> None:
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_INTERVAL_S)
 def on_timer(name: str, namespace: str, **_: Any) -> None:
     sync(name, namespace)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def on_delete(name: str, namespace: str, **_: Any) -> None:
+    """Stop every engine's worker ranks before its leader; owner references do the rest.
+
+    Retried until the workers are gone, then the leaders are deleted and kopf releases
+    its finalizer so the garbage collector removes Services and budgets.
+    """
+    core = client.CoreV1Api(api())
+    pods = [
+        ObservedPod.from_manifest(api().sanitize_for_serialization(pod))
+        for pod in core.list_namespaced_pod(
+            namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}"
+        ).items
+    ]
+    workers = [pod for pod in pods if pod.node_rank > 0]
+    targets = workers or pods
+    for pod_name in deletion_order(targets):
+        try:
+            core.delete_namespaced_pod(pod_name, namespace)
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+    if workers or any(not pod.terminating for pod in pods):
+        raise kopf.TemporaryError("waiting for the ranks to stop", delay=2)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

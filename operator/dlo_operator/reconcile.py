@@ -120,7 +120,7 @@ def _condition(
     )
 
 
-def _deletion_order(pods: Iterable[ObservedPod]) -> list[str]:
+def deletion_order(pods: Iterable[ObservedPod]) -> list[str]:
     """Ranks > 0 first, rank 0 (the leader) last; engines highest first."""
     ordered = sorted(pods, key=lambda pod: (-pod.engine, pod.node_rank == 0, -pod.node_rank))
     return [pod.name for pod in ordered if not pod.terminating]
@@ -198,7 +198,7 @@ def reconcile(
     # Scale down: whole engines above the desired count, highest first.
     surplus = [pod for pod in pods if pod.engine >= spec.replicas]
     if surplus:
-        actions.delete_pods += _deletion_order(surplus)
+        actions.delete_pods += deletion_order(surplus)
         engines = sorted({pod.engine for pod in surplus}, reverse=True)
         actions.events.append(Event("ScaledDown", f"removing engines {engines}"))
 
@@ -211,7 +211,7 @@ def reconcile(
         restarts[engine] = prior_restarts.get(engine, 0)
         live = [pod for pod in engine_pods if not pod.terminating]
         if phase == EnginePhase.FAILED:
-            actions.delete_pods += _deletion_order(live)
+            actions.delete_pods += deletion_order(live)
             restarts[engine] += 1
             actions.events.append(
                 Event(
@@ -240,7 +240,7 @@ def reconcile(
     )
     if outdated and others_ready and not any(p.terminating for p in pods):
         engine = outdated[0]
-        actions.delete_pods += _deletion_order(by_engine[engine])
+        actions.delete_pods += deletion_order(by_engine[engine])
         actions.events.append(Event("EngineUpdate", f"replacing engine {engine} with the new spec"))
     actions.create.append(render_client_service(owner, spec))
 

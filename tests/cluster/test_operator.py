@@ -3,10 +3,12 @@ scaling, invalid specs and deletion."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,37 +22,38 @@ from tests.cluster.control_plane import _free_port
 from tests.cluster.helpers import create, eventually, manifest
 
 
+@contextlib.contextmanager
+def running_operator(cluster, namespace: str, log_path: Path) -> Iterator[str]:
+    """``dlo-operator`` watching ``namespace`` as a process; yields its liveness URL."""
+    port = _free_port()
+    with log_path.open("a") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dlo_operator",
+                "--namespace",
+                namespace,
+                "--liveness",
+                f"http://127.0.0.1:{port}/healthz",
+            ],
+            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}/healthz"
+        try:
+            eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
 @pytest.fixture
 def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[str]:
-    """``dlo-operator`` watching the test's namespace; yields its liveness URL."""
-    port = _free_port()
-    log = (tmp_path / "operator.log").open("w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kopf",
-            "run",
-            "--standalone",
-            "--namespace",
-            namespace,
-            "--liveness",
-            f"http://127.0.0.1:{port}/healthz",
-            "-m",
-            "dlo_operator.handlers",
-        ],
-        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}/healthz"
-    eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
-    try:
+    with running_operator(cluster, namespace, tmp_path / "operator.log") as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
 
 
 def _healthy(url: str) -> bool:
@@ -155,3 +158,33 @@ def test_invalid_spec_creates_nothing_and_reports_why(api_client, operator, name
     )
     assert "--use-hsdp cannot be combined with DLO AllGather" in message
     assert _pods(api_client, namespace) == []
+
+
+def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
+    api_client, cluster, crd, namespace, tmp_path: Path
+) -> None:
+    log = tmp_path / "operator.log"
+    with running_operator(cluster, namespace, log):
+        create(api_client, namespace, manifest("flux", parallelism={"data": 4}))
+        eventually(lambda: len(_pods(api_client, namespace)) == 2, 60, "engine created")
+        before = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
+    with running_operator(cluster, namespace, log):
+        time.sleep(12)  # longer than the reconcile timer: at least one full sync ran
+        after = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
+        assert after == before
+        client.CustomObjectsApi(api_client).delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "flux"
+        )
+        core = client.CoreV1Api(api_client)
+
+        def all_gone() -> bool:
+            pods = core.list_namespaced_pod(namespace).items
+            services = core.list_namespaced_service(namespace).items
+            budgets = (
+                client.PolicyV1Api(api_client)
+                .list_namespaced_pod_disruption_budget(namespace)
+                .items
+            )
+            return not pods and not services and not budgets
+
+        eventually(all_gone, 180, "every child removed")

@@ -9,7 +9,12 @@ import pytest
 import yaml
 
 from dlo_operator.api import DiffusionDeploymentSpec
-from dlo_operator.crd import custom_resource_definition, render_yaml
+from dlo_operator.crd import (
+    CHART_TEMPLATE,
+    custom_resource_definition,
+    render_chart_template,
+    render_yaml,
+)
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
 from dlo_worker.config import TransferMode
 from tests.support.deployments import deployment_spec
@@ -24,6 +29,13 @@ def spec(**overrides: Any) -> DiffusionDeploymentSpec:
 def test_committed_crd_matches_the_models() -> None:
     assert CRD_FILE.read_text() == render_yaml(), (
         "crds/ is stale: run python -m dlo_operator.crd > crds/diffusiondeployments.dlo.dev.yaml"
+    )
+
+
+def test_chart_crd_template_matches_the_models() -> None:
+    chart_crd = Path(__file__).parents[2] / CHART_TEMPLATE
+    assert chart_crd.read_text() == render_chart_template(), (
+        "the chart's CRD is stale: run python -m dlo_operator.crd --chart > " + CHART_TEMPLATE
     )
 
 
@@ -81,3 +93,11 @@ def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:
 def test_resident_layers_without_dlo_are_rejected_like_the_worker_does() -> None:
     with pytest.raises(InvalidSpecError, match="--enable-distributed-layerwise-offload"):
         validate(spec(offload={"enabled": False, "residentLayers": 2}))
+
+
+def test_the_operator_never_imports_torch() -> None:
+    import subprocess
+    import sys
+
+    probe = "import sys, dlo_operator.handlers; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], check=True)

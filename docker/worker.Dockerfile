@@ -1,0 +1,12 @@
+# The worker image. PyPI's torch wheels carry their CUDA libraries; the node provides the
+# driver (NVIDIA container toolkit). Build from the repository root:
+#   docker build -f docker/worker.Dockerfile -t dlo-worker .
+FROM python:3.11-slim
+WORKDIR /opt/diffusion-dlo
+COPY pyproject.toml README.md ./
+COPY worker ./worker
+COPY operator ./operator
+RUN pip install --no-cache-dir ".[worker]" && rm -rf /root/.cache
+# The operator overrides the command with torchrun for multi-rank Pods; a single rank
+# runs the entrypoint directly.
+ENTRYPOINT ["dlo-worker", "serve"]

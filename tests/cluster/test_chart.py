@@ -1,0 +1,160 @@
+"""The Helm chart: lints, installs (CRD included), and its RBAC alone is enough to reconcile.
+
+Runs in a control plane of its own, because the chart installs the CRD itself and Helm will
+not adopt one created by the other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from dlo_operator.api import GROUP, PLURAL, VERSION
+from tests.cluster.build import Builder
+from tests.cluster.control_plane import ClusterState, _free_port, down, up
+from tests.cluster.helpers import create, eventually, manifest
+
+CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
+RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
+
+
+@pytest.fixture(scope="module")
+def chart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    directory = tmp_path_factory.mktemp("chart-cluster")
+    state = up(directory, nodes=2, progress=lambda _line: None)
+    try:
+        yield state
+    finally:
+        down(directory, progress=lambda _line: None)
+
+
+def helm(state: ClusterState, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "KUBECONFIG": state.kubeconfig,
+        "HELM_CACHE_HOME": str(home / "c"),
+        "HELM_CONFIG_HOME": str(home / "cfg"),
+        "HELM_DATA_HOME": str(home / "d"),
+    }
+    return subprocess.run(
+        [str(Builder().bin / "helm"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def installed(chart_cluster: ClusterState, tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("helm")
+    result = helm(
+        chart_cluster,
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "120s",
+        home=home,
+    )
+    assert result.returncode == 0, result.stderr
+    return config.new_client_from_config(config_file=chart_cluster.kubeconfig)
+
+
+def test_chart_lints(chart_cluster: ClusterState, tmp_path: Path) -> None:
+    result = helm(chart_cluster, "lint", str(CHART), home=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chart_installs_the_crd_and_a_ready_operator_deployment(installed) -> None:
+    crd = client.ApiextensionsV1Api(installed).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+    assert crd.metadata.annotations["helm.sh/resource-policy"] == "keep"
+    deployment = client.AppsV1Api(installed).read_namespaced_deployment(RELEASE, OPERATOR_NAMESPACE)
+    assert deployment.spec.strategy.type == "Recreate"
+    assert deployment.status.ready_replicas == 1
+
+
+def _service_account_kubeconfig(api_client, state: ClusterState, path: Path) -> Path:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a bound token)."""
+    token = (
+        client.CoreV1Api(api_client)
+        .create_namespaced_service_account_token(
+            RELEASE,
+            OPERATOR_NAMESPACE,
+            client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=3600)
+            ),
+        )
+        .status.token
+    )
+    document = json.loads(Path(state.kubeconfig).read_text())
+    document["users"] = [{"name": "dlo-admin", "user": {"token": token}}]
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_operator_reconciles_with_only_the_charts_rbac(
+    chart_cluster, installed, tmp_path: Path
+) -> None:
+    namespace = "tenant"
+    client.CoreV1Api(installed).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+    )
+    kubeconfig = _service_account_kubeconfig(installed, chart_cluster, tmp_path / "sa.json")
+    restricted = config.new_client_from_config(config_file=str(kubeconfig))
+    with pytest.raises(client.ApiException) as denied:
+        client.CoreV1Api(restricted).list_namespaced_secret(namespace)
+    assert denied.value.status == 403
+
+    port = _free_port()
+    log = (tmp_path / "operator.log").open("w")
+    operator = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dlo_operator",
+            "--namespace",
+            namespace,
+            "--liveness",
+            f"http://127.0.0.1:{port}/healthz",
+        ],
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        create(installed, namespace, manifest("flux", parallelism={"data": 4}))
+
+        def available() -> bool:
+            status = (
+                client.CustomObjectsApi(installed)
+                .get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "flux")
+                .get("status")
+                or {}
+            )
+            return status.get("readyReplicas") == 1
+
+        eventually(available, 120, "engine Available under the chart's RBAC")
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        operator.wait(timeout=30)
+        log.close()
+    forbidden = [
+        line
+        for line in (tmp_path / "operator.log").read_text().splitlines()
+        if "403" in line or "Forbidden" in line
+    ]
+    assert forbidden == []
