@@ -17,7 +17,7 @@ from tests.cluster.helpers import eventually
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     directory = tmp_path_factory.mktemp("cluster")
-    state = up(directory, nodes=3, progress=lambda line: print(line, flush=True))
+    state = up(directory, nodes=4, progress=lambda line: print(line, flush=True))
     try:
         yield state
     finally:

@@ -188,3 +188,124 @@ def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
             return not pods and not services and not budgets
 
         eventually(all_gone, 180, "every child removed")
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
+
+
+def _kubectl(cluster, *args: str) -> str:
+    from tests.cluster.build import Builder
+
+    result = subprocess.run(
+        [str(Builder().bin / "kubectl"), *args],
+        env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return result.stdout
+
+
+def test_the_example_becomes_exactly_the_rendered_objects(
+    api_client, cluster, operator, namespace
+) -> None:
+    from dlo_operator.api import DiffusionDeploymentSpec
+    from dlo_operator.render import Owner, render_engine
+
+    _kubectl(cluster, "apply", "-n", namespace, "-f", str(EXAMPLE))
+    eventually(
+        lambda: _condition(_status(api_client, namespace, "flux"), "Available") == "True",
+        120,
+        "example Available",
+    )
+    body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "flux"
+    )
+    owner = Owner("flux", namespace, body["metadata"]["uid"])
+    spec = DiffusionDeploymentSpec.model_validate(body["spec"])
+    expected = {
+        item["metadata"]["name"]: item
+        for engine in range(spec.replicas)
+        for item in render_engine(owner, spec, engine)
+        if item["kind"] == "Pod"
+    }
+    pods = {
+        p.metadata.name: api_client.sanitize_for_serialization(p)
+        for p in _pods(api_client, namespace)
+    }
+    assert sorted(pods) == sorted(expected) == ["flux-e0-n0", "flux-e1-n0"]
+    for name, pod in pods.items():
+        want, got = expected[name]["spec"], pod["spec"]
+        (want_container,), got_container = want["containers"], got["containers"][0]
+        for field in (
+            "command",
+            "env",
+            "resources",
+            "startupProbe",
+            "readinessProbe",
+            "livenessProbe",
+            "image",
+        ):
+            assert _subset(want_container[field], got_container[field]), (name, field)
+        assert _subset(
+            want["volumes"],
+            [v for v in got["volumes"] if not v["name"].startswith("kube-api-access")],
+        )
+        assert got["terminationGracePeriodSeconds"] == 120
+        assert pod["metadata"]["ownerReferences"][0]["uid"] == owner.uid
+        assert pod["metadata"]["labels"] == expected[name]["metadata"]["labels"]
+    table = _kubectl(cluster, "get", "diffusiondeployments", "-n", namespace)
+    header, row = table.splitlines()[:2]
+    assert header.split() == ["NAME", "REPLICAS", "READY", "AVAILABLE", "AGE"]
+    assert row.split()[:4] == ["flux", "2", "2", "True"]
+
+
+def _subset(want: object, got: object) -> bool:
+    """Everything we rendered is in the live object (the API server only adds defaults)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(
+            key in got and _subset(value, got[key]) for key, value in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(want) == len(got)
+            and all(_subset(w, g) for w, g in zip(want, got, strict=True))
+        )
+    return want == got or str(want) == str(got)
+
+
+def test_a_spec_change_replaces_engines_one_at_a_time(api_client, operator, namespace) -> None:
+    create(api_client, namespace, manifest("roll", replicas=3))
+    eventually(
+        lambda: _status(api_client, namespace, "roll").get("readyReplicas") == 3,
+        120,
+        "three engines ready",
+    )
+    old_hashes = {
+        p.metadata.annotations[ANNOTATION_SPEC_HASH] for p in _pods(api_client, namespace)
+    }
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"shmSize": "4Gi"}}
+    )
+    most_engines_down = 0
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        pods = _pods(api_client, namespace)
+        ready_engines = {
+            p.metadata.labels["dlo.dev/engine"]
+            for p in pods
+            if any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+        }
+        most_engines_down = max(most_engines_down, 3 - len(ready_engines))
+        if (
+            len(pods) == 3
+            and all(p.metadata.annotations[ANNOTATION_SPEC_HASH] not in old_hashes for p in pods)
+            and len(ready_engines) == 3
+        ):
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the roll did not finish")
+    assert most_engines_down <= 1
