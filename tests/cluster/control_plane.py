@@ -73,7 +73,7 @@ def default_directory() -> Path:
     return Path(os.environ.get("DLO_CLUSTER_DIR") or cache_root() / "run")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -193,7 +193,7 @@ def up(
 def _start_components(
     directory: Path, pki: pki_module.Pki, launcher: _Launcher, progress: Progress
 ) -> ClusterState:
-    etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+    etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
     progress("starting etcd")
     log = launcher.start(
@@ -290,7 +290,7 @@ def _start_components(
         [
             *common,
             "--secure-port",
-            str(_free_port()),
+            str(free_port()),
             "--service-account-private-key-file",
             str(pki.service_account_key),
             "--root-ca-file",
@@ -300,7 +300,7 @@ def _start_components(
             "*",
         ],
     )
-    launcher.start("kube-scheduler", [*common, "--secure-port", str(_free_port())])
+    launcher.start("kube-scheduler", [*common, "--secure-port", str(free_port())])
     progress("starting kwok")
     launcher.start(
         "kwok",
@@ -315,7 +315,7 @@ def _start_components(
             "--node-lease-duration-seconds",
             "40",
             "--server-address",
-            f"127.0.0.1:{_free_port()}",
+            f"127.0.0.1:{free_port()}",
         ],
     )
     state = ClusterState(str(directory), str(kubeconfig), server, launcher.components)

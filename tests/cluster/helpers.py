@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
+from tests.cluster.control_plane import free_port
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 60, what: str = "condition") -> None:
@@ -53,3 +61,30 @@ def create(api_client, namespace: str, body: dict) -> dict:
 
     eventually(attempt, 30)
     return created
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def running_operator(kubeconfig: str, namespace: str, log_path: Path) -> Iterator[str]:
+    """``dlo-operator`` watching ``namespace`` as a process; yields its liveness URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/healthz"
+    with log_path.open("a") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "dlo_operator", "--namespace", namespace, "--liveness", url],
+            env={**os.environ, "KUBECONFIG": kubeconfig},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +17,8 @@ from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from tests.cluster.build import Builder
-from tests.cluster.control_plane import ClusterState, _free_port, down, up
-from tests.cluster.helpers import create, eventually, manifest
+from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.helpers import create, eventually, manifest, running_operator
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
 RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
@@ -119,23 +117,8 @@ def test_operator_reconciles_with_only_the_charts_rbac(
         client.CoreV1Api(restricted).list_namespaced_secret(namespace)
     assert denied.value.status == 403
 
-    port = _free_port()
-    log = (tmp_path / "operator.log").open("w")
-    operator = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dlo_operator",
-            "--namespace",
-            namespace,
-            "--liveness",
-            f"http://127.0.0.1:{port}/healthz",
-        ],
-        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
+    log = tmp_path / "operator.log"
+    with running_operator(str(kubeconfig), namespace, log):
         create(installed, namespace, manifest("flux", parallelism={"data": 4}))
 
         def available() -> bool:
@@ -148,10 +131,6 @@ def test_operator_reconciles_with_only_the_charts_rbac(
             return status.get("readyReplicas") == 1
 
         eventually(available, 120, "engine Available under the chart's RBAC")
-    finally:
-        operator.send_signal(signal.SIGTERM)
-        operator.wait(timeout=30)
-        log.close()
     forbidden = [
         line
         for line in (tmp_path / "operator.log").read_text().splitlines()

@@ -3,13 +3,9 @@ scaling, invalid specs and deletion."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,49 +14,13 @@ from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.render import ANNOTATION_SPEC_HASH
-from tests.cluster.control_plane import _free_port
-from tests.cluster.helpers import create, eventually, manifest
-
-
-@contextlib.contextmanager
-def running_operator(cluster, namespace: str, log_path: Path) -> Iterator[str]:
-    """``dlo-operator`` watching ``namespace`` as a process; yields its liveness URL."""
-    port = _free_port()
-    with log_path.open("a") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dlo_operator",
-                "--namespace",
-                namespace,
-                "--liveness",
-                f"http://127.0.0.1:{port}/healthz",
-            ],
-            env={**os.environ, "KUBECONFIG": cluster.kubeconfig},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}/healthz"
-        try:
-            eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+from tests.cluster.helpers import create, eventually, manifest, running_operator
 
 
 @pytest.fixture
 def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[str]:
-    with running_operator(cluster, namespace, tmp_path / "operator.log") as url:
+    with running_operator(cluster.kubeconfig, namespace, tmp_path / "operator.log") as url:
         yield url
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return urllib.request.urlopen(url, timeout=2).status == 200
-    except OSError:
-        return False
 
 
 def _status(api_client, namespace: str, name: str) -> dict:
@@ -164,11 +124,11 @@ def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
     api_client, cluster, crd, namespace, tmp_path: Path
 ) -> None:
     log = tmp_path / "operator.log"
-    with running_operator(cluster, namespace, log):
+    with running_operator(cluster.kubeconfig, namespace, log):
         create(api_client, namespace, manifest("flux", parallelism={"data": 4}))
         eventually(lambda: len(_pods(api_client, namespace)) == 2, 60, "engine created")
         before = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
-    with running_operator(cluster, namespace, log):
+    with running_operator(cluster.kubeconfig, namespace, log):
         time.sleep(12)  # longer than the reconcile timer: at least one full sync ran
         after = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
         assert after == before
