@@ -14,24 +14,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlo_worker.offload import enable_dlo
-from tests.support.equivalence import check_allgather_rank, run_equivalence
+from tests.support.equivalence import RANK_LOCAL_CASES, check_allgather_rank, run_equivalence
 from tests.support.tiny_models import plain_stack, tiny_flux
 
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize(
-    ("model", "options"),
-    [
-        ("flux", {}),
-        ("dit", {"blocks": 3}),
-        ("dit", {"blocks": 4}),
-        ("wan", {"blocks": 3}),
-        ("plain", {"blocks": 5}),
-    ],
-    ids=["flux", "dit-odd", "dit-even", "wan", "plain"],
-)
-def test_rank_local_streaming_on_cuda_is_bitwise_equal(model: str, options: dict) -> None:
+@pytest.mark.parametrize("case", RANK_LOCAL_CASES)
+def test_rank_local_streaming_on_cuda_is_bitwise_equal(case: str) -> None:
+    model, options = RANK_LOCAL_CASES[case]
     result = run_equivalence(model, CUDA, **options)
     assert result.bitwise_equal
     assert result.stats.host_page_locked

@@ -17,26 +17,15 @@ import torch.multiprocessing as mp
 
 from dlo_worker.offload import enable_dlo
 from dlo_worker.offload.layout import shard_numel
-from tests.support.equivalence import check_allgather_rank, run_equivalence
+from tests.support.equivalence import RANK_LOCAL_CASES, check_allgather_rank, run_equivalence
 from tests.support.tiny_models import plain_stack, tiny_dit, tiny_flux
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(
-    ("model", "options"),
-    [
-        ("flux", {}),
-        ("dit", {"blocks": 3}),
-        ("dit", {"blocks": 4}),
-        ("wan", {"blocks": 3}),
-        ("plain", {"blocks": 5}),
-        ("plain", {"blocks": 6}),
-        ("plain", {"blocks": 1}),
-    ],
-    ids=["flux", "dit-odd", "dit-even", "wan", "plain-odd", "plain-even", "plain-single"],
-)
-def test_rank_local_streaming_is_bitwise_equal_to_resident(model: str, options: dict) -> None:
+@pytest.mark.parametrize("case", RANK_LOCAL_CASES)
+def test_rank_local_streaming_is_bitwise_equal_to_resident(case: str) -> None:
+    model, options = RANK_LOCAL_CASES[case]
     result = run_equivalence(model, CPU, **options)
     assert result.bitwise_equal
     assert result.stats.transfer_mode == "rank-local"

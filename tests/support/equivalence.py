@@ -61,6 +61,17 @@ def run_equivalence(
     return EquivalenceResult(resident, offloaded, stats, block_bytes)
 
 
+RANK_LOCAL_CASES: dict[str, tuple[str, dict[str, int]]] = {
+    "flux": ("flux", {}),
+    "dit-odd": ("dit", {"blocks": 3}),
+    "dit-even": ("dit", {"blocks": 4}),
+    "wan": ("wan", {"blocks": 3}),
+    "plain-odd": ("plain", {"blocks": 5}),
+    "plain-even": ("plain", {"blocks": 6}),
+    "plain-single": ("plain", {"blocks": 1}),
+}
+"""Models with odd, even and single block counts, for the rank-local equivalence tests."""
+
 ALLGATHER_CASES: tuple[tuple[str, dict[str, int]], ...] = (
     ("flux", {}),
     ("dit", {"blocks": 3}),
