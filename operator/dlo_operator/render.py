@@ -39,6 +39,7 @@ ROLE_LEADER, ROLE_WORKER = "leader", "worker"
 
 CONTAINER = "worker"
 MASTER_PORT = 29500
+TORCHRUN_EXIT_MARGIN_S = 10
 GPU_RESOURCE = "nvidia.com/gpu"
 NRI_ULIMIT_ANNOTATION = f"ulimits.nri.containerd.io/container.{CONTAINER}"
 STARTUP_BUDGET_S = 3600
@@ -140,8 +141,16 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         "NNODES": str(pods_per_engine(spec)),
         "NODE_RANK": str(node),
         "NPROC_PER_NODE": str(spec.gpus_per_node),
+        # torchrun SIGKILLs its ranks this long after forwarding SIGTERM (torch >= 2.12 reads
+        # it; older releases use a fixed 30 s): the drain may use the Pod's grace period.
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(torchrun_shutdown_timeout(spec)),
     }
     return [{"name": key, "value": value} for key, value in values.items()]
+
+
+def torchrun_shutdown_timeout(spec: DiffusionDeploymentSpec) -> int:
+    """The grace period less the time torchrun itself needs to exit after its ranks."""
+    return max(spec.termination_grace_period_seconds - TORCHRUN_EXIT_MARGIN_S, 0)
 
 
 def _volumes(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[dict]]:

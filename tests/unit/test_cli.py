@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def option_strings(subcommand: str) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("subcommand", ["config", "generate"])
+@pytest.mark.parametrize("subcommand", ["config", "generate", "serve"])
 def test_every_config_field_has_exactly_its_flag(subcommand: str) -> None:
     flags = option_strings(subcommand)
     for model in (ModelOptions, ParallelOptions, OffloadOptions):
@@ -177,6 +178,43 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
     code, _, err = run(capsys, "generate", "--model", str(tmp_path), "--out", "x.png", *argv)
     assert code == 2
     assert named in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--port", "70000"], "--port: must be a TCP port"),
+        (["--max-queued-requests", "0"], "--max-queued-requests: must be at least 1"),
+        (["--enable-cpu-offload"], "not available in dlo-worker serve"),
+        (["--sequence-parallel-size", "2"], "serve runs data parallel only"),
+    ],
+)
+def test_serve_rejects_bad_options_before_loading(capsys, demo_model_dir, argv, named) -> None:
+    code, _, err = run(capsys, "serve", "--model", str(demo_model_dir), *argv)
+    assert code == 2
+    assert named in err
+
+
+def test_serve_reports_a_port_in_use(capsys, demo_model_dir) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run(
+            capsys,
+            "serve",
+            "--model",
+            str(demo_model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        )
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+    assert "choose another --port" in err
 
 
 def test_invalid_combination_fails_before_torch_is_imported(tmp_path) -> None:

@@ -19,6 +19,7 @@ from dlo_operator.render import (
     worker_arguments,
 )
 from dlo_operator.workerconfig import worker_config
+from dlo_worker.cli import build_parser, config_from_args
 from dlo_worker.cli import main as worker_main
 from tests.support.deployments import deployment_spec
 
@@ -61,6 +62,7 @@ def test_torch_environment_points_every_rank_at_node_zero() -> None:
             "NNODES": "2",
             "NODE_RANK": str(rank),
             "NPROC_PER_NODE": "2",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110",
         }
         assert pod["spec"]["hostname"] == f"flux-e0-n{rank}"
         assert pod["spec"]["subdomain"] == "flux-e0"
@@ -86,7 +88,10 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         spec(model={"imagePath": "/opt/model"}, quantization="fp8", dtype="bfloat16"),
     ):
         arguments = worker_arguments(variant)
-        assert arguments[0] == "serve"
+        served = build_parser().parse_args(arguments)
+        assert served.command == "serve"
+        assert served.port == 8000
+        assert config_from_args(served) == worker_config(variant)
         assert arguments[-2:] == ["--port", "8000"]
         assert worker_main(["config", *arguments[1:-2]]) == 0
         printed = json.loads(capsys.readouterr().out)["config"]

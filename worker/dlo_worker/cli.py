@@ -171,20 +171,22 @@ def _command_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unsupported_for_generate(config: WorkerConfig) -> str | None:
+def _unsupported_execution(config: WorkerConfig, command: str) -> str | None:
+    """Why ``command`` cannot run ``config`` yet (the options are valid, the execution is not
+    implemented), or None."""
     effective = config.effective()
     if effective.offload_policy in (
         OffloadPolicy.MODEL_CPU_OFFLOAD,
         OffloadPolicy.LAYERWISE_OFFLOAD,
     ):
         return (
-            f"offload policy {effective.offload_policy} is not available in dlo-worker generate; "
+            f"offload policy {effective.offload_policy} is not available in dlo-worker {command}; "
             "use --enable-distributed-layerwise-offload or run resident"
         )
     if config.model.quantization != Quantization.NONE:
         return (
             f"--quantization {config.model.quantization} is not available in dlo-worker "
-            "generate yet; use --quantization none"
+            f"{command} yet; use --quantization none"
         )
     parallel = config.parallel
     if (
@@ -193,7 +195,7 @@ def _unsupported_for_generate(config: WorkerConfig) -> str | None:
         or parallel.use_hsdp
     ):
         return (
-            "generate runs data parallel only: the model's sequence/tensor-parallel execution "
+            f"{command} runs data parallel only: the model's sequence/tensor-parallel execution "
             "and HSDP are not implemented; set --sequence-parallel-size and "
             "--tensor-parallel-size to 1 and drop --use-hsdp"
         )
@@ -207,13 +209,13 @@ def rank_output_path(out: Path, data_parallel_rank: int, data_parallel_size: int
     return out.with_name(f"{out.stem}.dp{data_parallel_rank}{out.suffix}")
 
 
-def _command_generate(args: argparse.Namespace) -> int:
+def _executable_config(args: argparse.Namespace) -> WorkerConfig:
+    """The configuration of a command that loads the model, checked before torch loads."""
     config = config_from_args(args)
-    request = request_from_args(args)
     _warn_effective(config)
     if config.model.model is None:
         raise UsageError("--model is required: a diffusers pipeline directory")
-    if (reason := _unsupported_for_generate(config)) is not None:
+    if (reason := _unsupported_execution(config, args.command)) is not None:
         raise UsageError(reason)
 
     from dlo_worker.loader import ModelDirectoryError, check_model_directory
@@ -222,6 +224,12 @@ def _command_generate(args: argparse.Namespace) -> int:
         check_model_directory(config.model.model)
     except ModelDirectoryError as error:
         raise UsageError(str(error)) from None
+    return config
+
+
+def _command_generate(args: argparse.Namespace) -> int:
+    request = request_from_args(args)
+    config = _executable_config(args)
 
     from dlo_worker.devices import DeviceUnavailableError
     from dlo_worker.distributed import TopologyError
@@ -246,6 +254,37 @@ def _command_generate(args: argparse.Namespace) -> int:
     path = write_png(image, out)
     print(f"image written to {path}")
     return 0
+
+
+def _command_serve(args: argparse.Namespace) -> int:
+    config = _executable_config(args)
+
+    from dlo_worker.devices import DeviceUnavailableError
+    from dlo_worker.distributed import TopologyError
+    from dlo_worker.serve import ListenError, ServeOptions, serve
+
+    options = ServeOptions(
+        host=args.host, port=args.port, max_queued_requests=args.max_queued_requests
+    )
+    try:
+        serve(config, options)
+    except (DeviceUnavailableError, TopologyError, ListenError) as error:
+        raise UsageError(str(error)) from None
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,6 +328,27 @@ def build_parser() -> argparse.ArgumentParser:
     for prefix, model in _CONFIG_GROUPS.items():
         _add_model_fields(generate_parser, prefix, model, f"{prefix} options")
     generate_parser.set_defaults(handler=_command_generate)
+
+    serve_parser = commands.add_parser(
+        "serve",
+        parents=[common],
+        help="Serve generation over HTTP until SIGTERM (the container entrypoint).",
+    )
+    serve_parser.add_argument(
+        "--host", default="0.0.0.0", help="Address to listen on (default: 0.0.0.0)."
+    )
+    serve_parser.add_argument(
+        "--port", type=_port, default=8000, help="HTTP port of local rank 0 (default: 8000)."
+    )
+    serve_parser.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=64,
+        help="Requests waiting beyond this get 429 (default: 64).",
+    )
+    for prefix, model in _CONFIG_GROUPS.items():
+        _add_model_fields(serve_parser, prefix, model, f"{prefix} options")
+    serve_parser.set_defaults(handler=_command_serve)
     return parser
 
 

@@ -1,0 +1,202 @@
+"""``dlo-worker serve`` end to end: real HTTP, real torchrun, real gloo AllGather.
+
+The reference is a resident single-process server, itself checked against
+``dlo-worker generate``. A DP=2 AllGather engine must return the same bytes for the
+same requests sent concurrently (lockstep waves with dummy slots), and SIGTERM must
+finish the request in flight before disabling DLO and destroying the process groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.cluster.control_plane import free_port
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+REQUESTS = (
+    {"seed": 5, "steps": 4},
+    {"seed": 6, "steps": 4},
+    {"seed": 7, "steps": 3},
+)
+
+
+def serve_command(model: Path, port: int, *flags: str) -> list[str]:
+    return [
+        "serve",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--log-level",
+        "info",
+        *flags,
+    ]
+
+
+class Server:
+    """A running ``dlo-worker serve`` process tree and its base URL."""
+
+    def __init__(self, command: list[str], port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen(
+            command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.process.communicate()[0]
+            try:
+                if requests.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        pytest.fail("the server never became ready")
+
+    def generate(self, body: dict) -> requests.Response:
+        return requests.post(f"{self.url}/v1/generate", json=body, timeout=600)
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.communicate(timeout=120)[0]
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def resident_digests(demo_model_dir: Path) -> dict[int, str]:
+    port = free_port()
+    server = Server(
+        [sys.executable, "-m", "dlo_worker", *serve_command(demo_model_dir, port)], port
+    )
+    try:
+        server.wait_ready()
+        responses = {body["seed"]: server.generate(body) for body in REQUESTS}
+    finally:
+        output = server.stop()
+    assert server.process.returncode == 0, output
+    for response in responses.values():
+        assert response.status_code == 200, response.text
+        assert response.headers["Content-Type"] == "image/png"
+    return {seed: digest(response.content) for seed, response in responses.items()}
+
+
+def test_served_image_equals_the_generate_command(
+    demo_model_dir: Path, tmp_path: Path, resident_digests: dict[int, str]
+) -> None:
+    out = tmp_path / "generated.png"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlo_worker",
+            "generate",
+            "--model",
+            str(demo_model_dir),
+            "--device",
+            "cpu",
+            "--seed",
+            "5",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+        ],
+        env=ENV,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert digest(out.read_bytes()) == resident_digests[5]
+
+
+def rank_logs(log_dir: Path) -> dict[int, str]:
+    return {int(path.parent.name): path.read_text() for path in log_dir.rglob("stderr.log")}
+
+
+def assert_in_order(log: str, *messages: str) -> None:
+    positions = [log.index(f'msg="{message}"') for message in messages]
+    assert positions == sorted(positions), list(zip(messages, positions, strict=True))
+
+
+def test_allgather_engine_serves_resident_bytes_and_drains_on_sigterm(
+    demo_model_dir: Path, tmp_path: Path, resident_digests: dict[int, str]
+) -> None:
+    port, log_dir = free_port(), tmp_path / "logs"
+    server = Server(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(log_dir),
+            "--redirects",
+            "3",
+            "-m",
+            "dlo_worker",
+            *serve_command(
+                demo_model_dir,
+                port,
+                "--enable-distributed-layerwise-offload",
+                "--data-parallel-size",
+                "2",
+            ),
+        ],
+        port,
+    )
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            responses = list(pool.map(server.generate, REQUESTS))
+        for body, response in zip(REQUESTS, responses, strict=True):
+            assert response.status_code == 200, response.text
+            assert digest(response.content) == resident_digests[body["seed"]]
+        metrics = requests.get(f"{server.url}/metrics", timeout=5).text
+        assert 'dlo_requests_total{outcome="ok"} 3.0' in metrics
+
+        in_flight: dict[str, requests.Response] = {}
+        slow = threading.Thread(
+            target=lambda: in_flight.setdefault("response", server.generate({"steps": 60}))
+        )
+        slow.start()
+        time.sleep(3)  # inside the slow request's denoising loop
+        server.process.send_signal(signal.SIGTERM)
+        slow.join(timeout=120)
+        assert in_flight["response"].status_code == 200
+        assert in_flight["response"].content.startswith(b"\x89PNG")
+    finally:
+        output = server.stop()
+    logs = rank_logs(log_dir)
+    assert sorted(logs) == [0, 1], output
+    for rank, log in logs.items():
+        assert "lockstep=True" in log
+        if rank == 1:  # the slow request ran alone: rank 1 ran its discarded copy
+            assert "discarded=True" in log
+        drain = ["intake closed, draining"] if rank == 0 else []
+        assert_in_order(
+            log,
+            *drain,
+            "engine drained",
+            "dlo disabled",
+            "process groups destroyed",
+        )

@@ -1,0 +1,93 @@
+"""Wave planning and the leader's request queue (pure scheduling, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlo_worker.engine import (
+    IntakeClosedError,
+    QueueFullError,
+    RequestQueue,
+    Wave,
+    plan_wave,
+)
+from dlo_worker.requests import GenerationRequest
+
+
+def request(seed: int, steps: int = 4, guidance: float = 4.0) -> GenerationRequest:
+    return GenerationRequest(seed=seed, steps=steps, guidance_scale=guidance)
+
+
+def test_lockstep_wave_takes_only_requests_with_the_heads_step_count() -> None:
+    pending = [request(0), request(1, steps=8), request(2), request(3)]
+    chosen, wave = plan_wave(pending, width=2, lockstep=True)
+    assert chosen == [0, 2]
+    assert [slot.seed for slot in wave.slots] == [0, 2]
+    assert wave.discarded == frozenset()
+
+
+def test_lockstep_wave_fills_idle_ranks_with_a_discarded_copy_of_the_head() -> None:
+    pending = [request(0), request(1, steps=8)]
+    chosen, wave = plan_wave(pending, width=4, lockstep=True)
+    assert chosen == [0]
+    assert wave.slots == (pending[0],) * 4
+    assert wave.discarded == frozenset({1, 2, 3})
+    assert not wave.empty
+
+
+def test_lockstep_wave_separates_guidance_scales() -> None:
+    chosen, _ = plan_wave([request(0), request(1, guidance=1.0)], width=2, lockstep=True)
+    assert chosen == [0]
+
+
+def test_independent_wave_mixes_keys_and_leaves_idle_ranks_idle() -> None:
+    pending = [request(0), request(1, steps=8)]
+    chosen, wave = plan_wave(pending, width=3, lockstep=False)
+    assert chosen == [0, 1]
+    assert wave.slots == (pending[0], pending[1], None)
+    assert wave.discarded == frozenset()
+
+
+def test_no_pending_requests_make_an_empty_heartbeat_wave() -> None:
+    chosen, wave = plan_wave([], width=2, lockstep=True)
+    assert chosen == []
+    assert wave.empty
+    assert not wave.stop
+    assert Wave(stop=True).empty
+
+
+def test_queue_refuses_requests_until_opened_and_after_closing() -> None:
+    queue = RequestQueue(max_pending=4)
+    with pytest.raises(IntakeClosedError, match="not accepting"):
+        queue.submit(request(0))
+    queue.open()
+    queue.submit(request(0))
+    queue.close()
+    with pytest.raises(IntakeClosedError):
+        queue.submit(request(1))
+    taken, _ = queue.take_wave(width=2, lockstep=False, timeout=0)
+    assert [submission.request.seed for submission in taken] == [0]
+
+
+def test_queue_bounds_waiting_requests_and_keeps_fifo_order() -> None:
+    queue = RequestQueue(max_pending=2)
+    queue.open()
+    queue.submit(request(0, steps=8))
+    queue.submit(request(1))
+    with pytest.raises(QueueFullError, match="--max-queued-requests"):
+        queue.submit(request(2))
+    taken, wave = queue.take_wave(width=2, lockstep=True, timeout=0)
+    assert [submission.request.seed for submission in taken] == [0]
+    assert wave.discarded == frozenset({1})
+    assert len(queue) == 1
+    taken, _ = queue.take_wave(width=2, lockstep=True, timeout=0)
+    assert [submission.request.seed for submission in taken] == [1]
+    assert len(queue) == 0
+
+
+def test_an_idle_queue_waits_for_the_heartbeat_timeout() -> None:
+    queue = RequestQueue(max_pending=1)
+    queue.open()
+    taken, wave = queue.take_wave(width=1, lockstep=False, timeout=0.05)
+    assert taken == []
+    assert wave.empty

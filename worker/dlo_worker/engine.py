@@ -1,0 +1,321 @@
+"""Request waves: how the ranks of one engine share the requests its leader receives.
+
+Global rank 0 (the leader) owns intake. It repeatedly takes a *wave* from the queue,
+one slot per data-parallel rank, broadcasts it to every rank over a gloo control group
+(CPU objects only, so an idle engine never holds a device collective open), runs its
+own slot, and gathers the encoded images. An idle leader broadcasts an empty wave every
+``heartbeat_s`` so the followers' waits stay far inside the control group's timeout.
+
+With DLO AllGather over DP (``lockstep``) every rank must run the same block sequence,
+so a wave only holds requests with the same :func:`wave_key` and idle ranks run a
+dummy copy of the wave's first request whose image is discarded. Otherwise (resident
+or rank-local DLO) idle ranks simply sit the wave out and requests mix freely.
+
+Stopping: :meth:`Engine.request_stop` (SIGTERM on the leader) closes intake; the leader
+keeps taking waves until the queue is empty, then broadcasts a stop message that every
+rank obeys. Followers ignore their own SIGTERM and wait for that message, because the
+leader's drain needs them.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from dlo_worker import metrics
+from dlo_worker.generate import generate_image
+from dlo_worker.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+# Followers wait at most this long for the leader: a wave's gather waits for the slowest
+# rank, so it must exceed the longest generation the engine serves.
+CONTROL_TIMEOUT = timedelta(minutes=30)
+
+
+class IntakeClosedError(RuntimeError):
+    """The engine is loading or draining and takes no new requests."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``--max-queued-requests`` allows."""
+
+
+class GenerationFailedError(RuntimeError):
+    """The pipeline raised while running a request (the message says why)."""
+
+
+def wave_key(request: GenerationRequest) -> tuple[int, float]:
+    """What must match for requests to share a lockstep wave.
+
+    The number of denoising steps fixes how many times every block runs; guidance
+    decides whether a pipeline runs an extra unconditional pass on some models.
+    Seeds and conditioning only change values, never the block sequence.
+    """
+    return (request.steps, request.guidance_scale)
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One slot per DP rank: a request, or None when the rank sits the wave out.
+
+    ``discarded`` names the slots that run a dummy copy only to keep a lockstep wave
+    in step; their images are dropped. ``stop`` ends every rank's loop.
+    """
+
+    slots: tuple[GenerationRequest | None, ...] = ()
+    discarded: frozenset[int] = frozenset()
+    stop: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return all(slot is None for slot in self.slots)
+
+
+def plan_wave(
+    pending: list[GenerationRequest], width: int, lockstep: bool
+) -> tuple[list[int], Wave]:
+    """Choose which pending requests (by index, oldest first) run in the next wave (pure).
+
+    Returns the chosen indices, in slot order, and the wave. The oldest request always
+    runs, so a request is never starved by later ones with a different key.
+    """
+    if not pending:
+        return [], Wave(slots=(None,) * width)
+    head_key = wave_key(pending[0])
+    chosen = [
+        index
+        for index, request in enumerate(pending)
+        if not lockstep or wave_key(request) == head_key
+    ][:width]
+    slots: list[GenerationRequest | None] = [pending[index] for index in chosen]
+    idle = range(len(slots), width)
+    if lockstep:
+        slots.extend(pending[0] for _ in idle)
+        return chosen, Wave(slots=tuple(slots), discarded=frozenset(idle))
+    slots.extend(None for _ in idle)
+    return chosen, Wave(slots=tuple(slots))
+
+
+@dataclass
+class Submission:
+    request: GenerationRequest
+    future: Future[bytes] = field(default_factory=Future)
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class RequestQueue:
+    """The leader's bounded FIFO between HTTP handler threads and the engine loop."""
+
+    def __init__(self, max_pending: int) -> None:
+        self._max_pending = max_pending
+        self._pending: deque[Submission] = deque()
+        self._open = False
+        self._changed = threading.Condition()
+
+    @property
+    def accepting(self) -> bool:
+        return self._open
+
+    def open(self) -> None:
+        with self._changed:
+            self._open = True
+
+    def close(self) -> None:
+        """Stop intake; already queued requests still run."""
+        with self._changed:
+            self._open = False
+            self._changed.notify_all()
+
+    def submit(self, request: GenerationRequest) -> Future[bytes]:
+        with self._changed:
+            if not self._open:
+                raise IntakeClosedError(
+                    "the engine is not accepting requests (loading or draining)"
+                )
+            if len(self._pending) >= self._max_pending:
+                raise QueueFullError(
+                    f"{len(self._pending)} requests are already queued "
+                    "(--max-queued-requests); retry later"
+                )
+            submission = Submission(request)
+            self._pending.append(submission)
+            metrics.QUEUE_DEPTH.set(len(self._pending))
+            self._changed.notify_all()
+            return submission.future
+
+    def __len__(self) -> int:
+        with self._changed:
+            return len(self._pending)
+
+    def take_wave(
+        self, width: int, lockstep: bool, timeout: float
+    ) -> tuple[list[Submission], Wave]:
+        """The next wave, waiting up to ``timeout`` for a first request."""
+        with self._changed:
+            if not self._pending and self._open:
+                self._changed.wait(timeout)
+            chosen, wave = plan_wave([s.request for s in self._pending], width, lockstep)
+            taken = [self._pending[index] for index in chosen]
+            for submission in taken:
+                self._pending.remove(submission)
+            metrics.QUEUE_DEPTH.set(len(self._pending))
+            return taken, wave
+
+
+class ControlChannel:
+    """Leader-to-ranks messages on a dedicated gloo group (a no-op with one process)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._group = (
+            dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if world_size > 1 else None
+        )
+
+    def broadcast(self, wave: Wave | None) -> Wave:
+        """The leader passes its wave; the followers pass None and receive it."""
+        if self._group is None:
+            assert wave is not None
+            return wave
+        box: list[Wave | None] = [wave]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def gather(self, result: bytes | str | None) -> list[bytes | str | None]:
+        """Every rank's result at the leader (followers get an empty list)."""
+        if self._group is None:
+            return [result]
+        is_leader = dist.get_rank() == 0
+        results: list[bytes | str | None] | None = [None] * self.world_size if is_leader else None
+        dist.gather_object(result, results, dst=0, group=self._group)
+        return results or []
+
+
+def encode_png(image: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")  # type: ignore[attr-defined]
+    return buffer.getvalue()
+
+
+class Engine:
+    """Runs waves until stopped. One instance per rank; only the leader has a queue."""
+
+    def __init__(
+        self,
+        pipeline: DiffusionPipeline,
+        *,
+        rank: int,
+        world_size: int,
+        lockstep: bool,
+        queue: RequestQueue | None,
+        on_intake_closed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.pipeline = pipeline
+        # A server logs one structured line per request instead of a progress bar per step.
+        pipeline.set_progress_bar_config(disable=True)
+        self.rank = rank
+        self.world_size = world_size
+        self.lockstep = lockstep
+        self.queue = queue
+        self.channel = ControlChannel(world_size)
+        self._on_intake_closed = on_intake_closed
+        self._stop_requested = threading.Event()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def request_stop(self) -> None:
+        """Ask for the drain. Only sets a flag, so it is safe in a signal handler; the
+        leader's loop closes intake within one heartbeat and finishes what is queued."""
+        self._stop_requested.set()
+
+    def run(self) -> None:
+        """Serve until the leader's stop message, then return (the caller disables DLO)."""
+        if self.is_leader and self.queue is None:
+            raise ValueError("the leader needs a request queue")
+        logger.info(
+            "engine serving",
+            extra={"fields": {"rank": self.rank, "lockstep": self.lockstep}},
+        )
+        while True:
+            taken, wave = self._next_wave()
+            wave = self.channel.broadcast(wave)
+            if wave.stop:
+                break
+            if wave.empty:
+                continue
+            started = time.monotonic()
+            result = self._run_slot(wave)
+            results = self.channel.gather(result)
+            if self.is_leader:
+                self._deliver(taken, wave, results, time.monotonic() - started)
+        logger.info("engine drained", extra={"fields": {"rank": self.rank}})
+
+    def _next_wave(self) -> tuple[list[Submission], Wave | None]:
+        if not self.is_leader or self.queue is None:
+            return [], None
+        if self._stop_requested.is_set():
+            if self.queue.accepting:
+                self.queue.close()
+                self._on_intake_closed()
+                queued = len(self.queue)
+                logger.info("intake closed, draining", extra={"fields": {"queued": queued}})
+            if len(self.queue) == 0:
+                return [], Wave(stop=True)
+        return self.queue.take_wave(self.world_size, self.lockstep, HEARTBEAT_S)
+
+    def _run_slot(self, wave: Wave) -> bytes | str | None:
+        """This rank's image as PNG bytes, an error message, or None when idle/discarded."""
+        request = wave.slots[self.rank]
+        if request is None:
+            return None
+        discarded = self.rank in wave.discarded
+        started = time.monotonic()
+        try:
+            png = encode_png(generate_image(self.pipeline, request))
+        except Exception as error:  # a failed request must not take the engine down
+            logger.exception("request failed", extra={"fields": {"rank": self.rank}})
+            return f"{type(error).__name__}: {error}"
+        fields = {
+            "rank": self.rank,
+            "steps": request.steps,
+            "seed": request.seed,
+            "discarded": discarded,
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        logger.info("request done", extra={"fields": fields})
+        return None if discarded else png
+
+    def _deliver(
+        self,
+        taken: list[Submission],
+        wave: Wave,
+        results: list[bytes | str | None],
+        seconds: float,
+    ) -> None:
+        metrics.WAVE_SECONDS.observe(seconds)
+        metrics.WAVE_OCCUPANCY.observe(len(taken) / max(len(wave.slots), 1))
+        for slot, submission in enumerate(taken):
+            result = results[slot]
+            if isinstance(result, bytes):
+                submission.future.set_result(result)
+                metrics.REQUESTS.labels(outcome="ok").inc()
+            else:
+                submission.future.set_exception(GenerationFailedError(str(result)))
+                metrics.REQUESTS.labels(outcome="failed").inc()
+            metrics.REQUEST_SECONDS.observe(time.monotonic() - submission.enqueued_at)

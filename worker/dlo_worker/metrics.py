@@ -1,0 +1,33 @@
+"""Prometheus metrics of one worker process, served at ``/metrics``.
+
+One module owns every metric so names stay consistent (``dlo_`` prefix, base units)
+and tests can read them from the default registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter(
+    "dlo_requests",
+    "Generation requests by outcome (ok, failed, rejected_invalid, rejected_busy, "
+    "rejected_unavailable).",
+    ["outcome"],
+)
+REQUEST_SECONDS = Histogram(
+    "dlo_request_seconds",
+    "Time from intake to the image, queueing included.",
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+)
+WAVE_SECONDS = Histogram(
+    "dlo_wave_seconds",
+    "Time to run one wave across the engine's data-parallel ranks.",
+    buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+)
+WAVE_OCCUPANCY = Histogram(
+    "dlo_wave_occupancy_ratio",
+    "Share of a wave's data-parallel slots that served a real request.",
+    buckets=(0.125, 0.25, 0.5, 0.75, 1.0),
+)
+QUEUE_DEPTH = Gauge("dlo_request_queue_depth", "Requests waiting for a wave.")
+READY = Gauge("dlo_ready", "1 when the worker is loaded and accepting requests.")

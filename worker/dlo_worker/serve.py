@@ -1,0 +1,90 @@
+"""``dlo-worker serve``: the container entrypoint, from first probe to ordered shutdown.
+
+Start: the HTTP server (health first, so the startup probe passes while a large
+model loads), then :class:`~dlo_worker.worker.Worker` (process groups, pipeline,
+DLO backend), then the engine's waves. SIGTERM while loading aborts through the
+worker's SystemExit path. SIGTERM while serving starts the drain the architecture
+prescribes: stop intake (readiness turns 503 ``draining``), finish every queued
+request, stop every rank, ``backend.disable()``, destroy the process groups, and
+only then close the HTTP server so liveness holds throughout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import types
+from dataclasses import dataclass
+
+from dlo_worker.config import ShardingGroup, WorkerConfig
+from dlo_worker.engine import Engine, RequestQueue
+from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
+from dlo_worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class ListenError(OSError):
+    """The HTTP port cannot be bound (in use, or not permitted)."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_queued_requests: int = 64
+
+
+def lockstep_waves(config: WorkerConfig) -> bool:
+    """Whether DP ranks must run identical waves: DLO AllGather over the DP group."""
+    effective = config.effective()
+    return (
+        effective.dlo_sharding_group == ShardingGroup.DATA_PARALLEL
+        and effective.dlo_sharding_size > 1
+    )
+
+
+def _listen(options: ServeOptions, state: ServerState) -> WorkerHTTPServer:
+    try:
+        return WorkerHTTPServer(options.host, options.port, state)
+    except OSError as error:
+        raise ListenError(
+            f"cannot listen on {options.host}:{options.port} ({error.strerror}); "
+            "choose another --port or --host"
+        ) from None
+
+
+def serve(config: WorkerConfig, options: ServeOptions) -> None:
+    """Serve until SIGTERM, then shut down in order. Runs on every rank of the engine."""
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    queue = RequestQueue(options.max_queued_requests) if rank == 0 else None
+    state = ServerState(queue)
+    server = _listen(options, state) if local_rank == 0 else None
+    if server is not None:
+        server.start()
+    try:
+        with Worker(config) as worker:
+            engine = Engine(
+                worker.pipeline,
+                rank=worker.topology.rank,
+                world_size=worker.topology.world_size,
+                lockstep=lockstep_waves(config),
+                queue=queue,
+                on_intake_closed=lambda: state.set_phase(Phase.DRAINING),
+            )
+
+            def drain_on_sigterm(_signum: int, _frame: types.FrameType | None) -> None:
+                engine.request_stop()
+
+            # Worker.shutdown restores the handler that was installed before the worker.
+            signal.signal(signal.SIGTERM, drain_on_sigterm)
+            if queue is not None:
+                queue.open()
+            state.set_phase(Phase.READY)
+            engine.run()
+    finally:
+        if server is not None:
+            server.stop()
+            logger.info("http stopped")
