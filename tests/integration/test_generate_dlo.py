@@ -156,7 +156,7 @@ def test_allgather_under_torchrun_writes_each_ranks_resident_bytes(
     logs = rank_logs(tmp_path / "logs")
     assert sorted(logs) == [0, 1]
     for log in logs.values():
-        assert "transfer_mode=allgather shards=2" in log
+        assert "transfer_mode=allgather host_backing=checkpoint-mmap shards=2" in log
         assert_disable_before_teardown(log)
 
 

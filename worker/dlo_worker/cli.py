@@ -246,12 +246,15 @@ def _command_generate(args: argparse.Namespace) -> int:
             # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
             rank_request = request.model_copy(update={"seed": request.seed + rank})
             image = generate_image(worker.pipeline, rank_request)
+            backing = worker.backing
             if worker.backend is not None:
                 logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
     except TopologyError as error:
         raise UsageError(str(error)) from None
     out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
     path = write_png(image, out)
+    if backing is not None:
+        print(f"host backing: {backing.backing} - {backing.reason}")
     print(f"image written to {path}")
     return 0
 

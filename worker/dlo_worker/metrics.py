@@ -31,3 +31,9 @@ WAVE_OCCUPANCY = Histogram(
 )
 QUEUE_DEPTH = Gauge("dlo_request_queue_depth", "Requests waiting for a wave.")
 READY = Gauge("dlo_ready", "1 when the worker is loaded and accepting requests.")
+HOST_BACKING_FALLBACKS = Counter(
+    "dlo_host_backing_fallbacks",
+    "DiT components whose checkpoint mmap preflight failed and that loaded ordinarily, "
+    "by reason (topology, missing, ambiguous, mixed, dtype, keep-fp32, format, class).",
+    ["reason"],
+)

@@ -19,7 +19,8 @@ import torch
 from dlo_worker.config import OffloadPolicy, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
-from dlo_worker.loader import load_pipeline
+from dlo_worker.loader.diffusers_loader import BackingDecision, DiffusersPipelineLoader
+from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class Worker:
         self.topology = Topology()
         self.backend: DistributedLayerwiseOffloadBackend | None = None
         self.pipeline: DiffusionPipeline | None = None
+        self.backing: BackingDecision | None = None
         self._previous_sigterm = None
 
     def __enter__(self) -> Worker:
@@ -64,13 +66,25 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
-        streams_blocks = self.config.effective().offload_policy == OffloadPolicy.DLO
-        load_device = torch.device("cpu") if streams_blocks else self.device
-        self.pipeline = load_pipeline(self.config.model.model, dtype=self.dtype, device=load_device)
-        if streams_blocks:
-            offload_config = OffloadConfig.from_worker_config(self.config, self.topology.groups)
-            self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device)
+        loader = DiffusersPipelineLoader(self.config, dtype=self.dtype, device=self.device)
+        self.pipeline = loader.load()
+        self.backing = loader.decision
+        plan = loader.take_host_weight_plan()
+        if self.config.effective().offload_policy != OffloadPolicy.DLO:
+            return
+        offload_config = OffloadConfig.from_worker_config(self.config, self.topology.groups)
+        try:
+            self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device, plan)
             self.backend.enable(self.pipeline)
+        except Exception as error:
+            if plan is None:
+                raise
+            # The DiT was never materialized: there is nothing to fall back to.
+            plan.close()
+            raise HostWeightPlanError(
+                f"DLO could not consume the checkpoint host-weight plan ({error}); the DiT was "
+                "not loaded ordinarily, so the worker cannot start"
+            ) from error
 
     def shutdown(self) -> None:
         """Disable DLO, then destroy the process groups. Idempotent."""

@@ -1,5 +1,10 @@
-"""Loader-owned host storage: turn a diffusers-format directory into a pipeline on a device."""
+"""Loader-owned host storage: a diffusers-format directory becomes a pipeline plus, when
+preflight proves it, a HostWeightPlan for the DiT.
 
-from dlo_worker.loader.pipeline import ModelDirectoryError, check_model_directory, load_pipeline
+This package's top level stays torch-free (the CLI checks a directory before importing
+torch); the loader itself is :mod:`dlo_worker.loader.diffusers_loader`.
+"""
 
-__all__ = ["ModelDirectoryError", "check_model_directory", "load_pipeline"]
+from dlo_worker.loader.model_directory import ModelDirectoryError, check_model_directory
+
+__all__ = ["ModelDirectoryError", "check_model_directory"]

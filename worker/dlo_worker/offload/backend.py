@@ -1,11 +1,23 @@
 """DistributedLayerwiseOffloadBackend: setup and teardown owner of DLO.
 
 ``enable`` discovers the DiTs and their blocks, keeps everything that is not a
-streamed block on the device, packs every streamed block into the host arena
-(complete, or this rank's 1/N shard for AllGather), frees the original host
-tensors, allocates the two shared device slots, installs the hook ring and
-primes the first block. ``disable`` synchronizes, removes the hooks and frees
-every buffer; it runs before the worker destroys any process group.
+streamed block on the device, fills the host side of every streamed block,
+allocates the two shared device slots, installs the hook ring and primes the
+first block. ``disable`` synchronizes, removes the hooks and frees every buffer;
+it runs before the worker destroys any process group.
+
+The host side follows the loader's choice (design doc, "Host backing and transfer
+composition"):
+
+- ordinary tensors: each block is packed into a page-locked arena (complete, or
+  this rank's 1/N shard for AllGather) and the loader's copy is freed;
+- a checkpoint :class:`HostWeightPlan`, AllGather: each rank packs its shard from
+  the mapped files into the arena, then the plan's mappings are closed;
+- a checkpoint plan, rank-local: blocks keep only immutable views of the mapped
+  files and are packed through two bounded pinned staging buffers per load.
+
+With a plan the DiT was never materialized, so failing to consume the plan is a
+hard error (:class:`HostWeightPlanError`), never a fallback.
 """
 
 from __future__ import annotations
@@ -20,12 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dlo_worker.loader.host_weight_plan import HostWeightPlan, HostWeightPlanError
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.hooks import BlockRing
 from dlo_worker.offload.host import HostArena
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
-from dlo_worker.offload.plan import OffloadPlan, discover
+from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
 from dlo_worker.offload.slots import SlotPair, TransferCounters
+from dlo_worker.offload.staging import HostStaging, MappedPiece, Packer, wait_all
 from dlo_worker.offload.streamed_block import StreamedBlock, StreamedParameter
 
 logger = logging.getLogger(__name__)
@@ -36,7 +50,7 @@ class OffloadSetupError(RuntimeError):
 
 
 class UnsupportedHostBackingError(ValueError):
-    """A HostWeightPlan was handed to a backend build that has no consumer for it."""
+    """The object passed as ``plan`` is not a HostWeightPlan this backend can consume."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,8 @@ class OffloadStats:
     """What DLO did so far; exported by the metrics endpoint."""
 
     transfer_mode: str
+    host_backing: str
+    """``ordinary`` or ``checkpoint-mmap`` (the loader's choice, consumed here)."""
     shards: int
     streamed_blocks: int
     resident_blocks: int
@@ -58,7 +74,12 @@ class OffloadStats:
     h2d_seconds: float
     h2d_gbps: float
     host_bytes: int
-    """Host bytes holding streamed weights on this rank (page-locked on CUDA)."""
+    """Private host bytes holding streamed weights on this rank (page-locked on CUDA)."""
+    staging_bytes: int
+    """The two pinned staging buffers of checkpoint-backed rank-local streaming."""
+    pack_gbps: float
+    """Staging pack rate (bytes packed / pack wall time)."""
+    pack_wait_seconds: float
     host_page_locked: bool
     device_slot_bytes: int
     largest_block_bytes: int
@@ -77,14 +98,18 @@ class DistributedLayerwiseOffloadBackend:
     """Streams DiT blocks through two device slots; see the module docstring."""
 
     def __init__(
-        self, config: OffloadConfig, device: torch.device | str, plan: object | None = None
+        self,
+        config: OffloadConfig,
+        device: torch.device | str,
+        plan: HostWeightPlan | None = None,
     ) -> None:
-        if plan is not None:
+        if plan is not None and not isinstance(plan, HostWeightPlan):
             raise UnsupportedHostBackingError(
-                f"this backend build streams ordinary loader tensors only; got a "
-                f"{type(plan).__name__}; load without a host-weight plan"
+                f"plan must be the HostWeightPlan from DiffusersPipelineLoader."
+                f"take_host_weight_plan(), got {type(plan).__name__}"
             )
         self.config = config
+        self.host_weight_plan = plan
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -93,6 +118,8 @@ class DistributedLayerwiseOffloadBackend:
         self._blocks: list[StreamedBlock] = []
         self._resident_blocks = 0
         self._arena: HostArena | None = None
+        self._staging: HostStaging | None = None
+        self._packer: Packer | None = None
         self._slots: SlotPair | None = None
         self._ring: BlockRing | None = None
         self._plan: OffloadPlan | None = None
@@ -116,37 +143,55 @@ class DistributedLayerwiseOffloadBackend:
         """Take over the DiT blocks of ``model_or_pipeline``; returns ``self``."""
         if self.enabled:
             raise OffloadSetupError("DLO is already enabled on this backend; disable() it first")
+        if self.host_weight_plan is not None and self.host_weight_plan.closed:
+            raise HostWeightPlanError(
+                "the host-weight plan was already consumed and closed; load the model again"
+            )
         started = time.perf_counter()
         plan = discover(model_or_pipeline, self.config.block_paths)
-        streamed: list[tuple[str, nn.Module]] = []
+        self._check_plan_covers(plan)
+        streamed: list[tuple[DiTPlan, str, nn.Module]] = []
         for dit in plan.dits:
             resident = min(self.config.resident_layers, len(dit.blocks))
             self._resident_blocks += resident
-            streamed.extend((f"{dit.name}.{name}", block) for name, block in dit.blocks[resident:])
+            streamed.extend((dit, name, block) for name, block in dit.blocks[resident:])
         resident_modules = [module for dit in plan.dits for module in dit.resident_modules]
         resident_parameter_ids = {
             id(parameter) for module in resident_modules for parameter in module.parameters()
         }
-        self._check_parameters_are_not_shared(model_or_pipeline, streamed, resident_parameter_ids)
-        streamed_ids = {id(block) for _, block in streamed}
+        named_streamed = [(f"{dit.name}.{name}", block) for dit, name, block in streamed]
+        self._check_parameters_are_not_shared(
+            model_or_pipeline, named_streamed, resident_parameter_ids
+        )
+        streamed_ids = {id(block) for _, block in named_streamed}
+        self._materialize_unstreamed_from_plan(plan, streamed, resident_parameter_ids)
         self._move_everything_else_to_device(model_or_pipeline, streamed_ids)
         for module in resident_modules:
             module.to(self.device)
 
         self._blocks = [
-            self._describe(name, block, resident_parameter_ids) for name, block in streamed
+            self._describe(dit, name, block, resident_parameter_ids)
+            for dit, name, block in streamed
         ]
         self._link_rings(plan, streamed_ids)
-        self._fill_host_arena()
+        self._packer = Packer(self.config.pack_threads)
+        self._fill_host()
         _release_freed_host_memory()
 
         layouts = [block.layout for block in self._blocks]
+        capacity = slot_capacity(layouts, self._shards)
+        if any(block.mapped for block in self._blocks):
+            staged = slot_capacity([b.layout for b in self._blocks if b.mapped], 1)
+            self._staging = HostStaging(
+                staged, self._packer, self._counters, page_lock=self.device.type == "cuda"
+            )
         self._slots = SlotPair(
             self.device,
-            slot_capacity(layouts, self._shards),
+            capacity,
             process_group=self.config.process_group if self._shards > 1 else None,
             shards=self._shards,
             counters=self._counters,
+            staging=self._staging,
         )
         placeholders = {
             dtype: torch.empty(0, dtype=dtype, device=self.device)
@@ -169,7 +214,10 @@ class DistributedLayerwiseOffloadBackend:
                     "streamed_blocks": len(self._blocks),
                     "resident_blocks": self._resident_blocks,
                     "shards": self._shards,
+                    "host_backing": self._host_backing,
                     "host_gib": round(self._arena.nbytes / 2**30, 3),
+                    "staging_gib": round(self._staging.nbytes / 2**30, 3) if self._staging else 0,
+                    "pack_threads": self._packer.threads,
                     "slot_gib": round(self._slots.device_bytes / 2**30, 3),
                     "setup_s": round(time.perf_counter() - started, 3),
                 }
@@ -212,7 +260,7 @@ class DistributedLayerwiseOffloadBackend:
             _move_module_except(module, streamed_ids, self.device)
 
     def _describe(
-        self, name: str, block: nn.Module, resident_parameter_ids: set[int]
+        self, dit: DiTPlan, name: str, block: nn.Module, resident_parameter_ids: set[int]
     ) -> StreamedBlock:
         named = [
             (param_name, parameter)
@@ -231,9 +279,86 @@ class DistributedLayerwiseOffloadBackend:
         for param_name, parameter in named:
             span = spans[param_name]
             entries.append(
-                StreamedParameter(parameter, parameter.dtype, span.offset, span.numel, span.shape)
+                StreamedParameter(
+                    parameter, parameter.dtype, span.offset, span.numel, span.shape, param_name
+                )
             )
-        return StreamedBlock(name=name, module=block, layout=layout, parameters=entries)
+        streamed = StreamedBlock(
+            name=f"{dit.name}.{name}", module=block, layout=layout, parameters=entries
+        )
+        if self._plan_backs(dit):
+            streamed.mapped = self._mapped_pieces(dit, name, entries)
+        return streamed
+
+    def _plan_backs(self, dit: DiTPlan) -> bool:
+        plan = self.host_weight_plan
+        return plan is not None and dit.name in plan.components
+
+    @property
+    def _host_backing(self) -> str:
+        plan = self.host_weight_plan
+        return str(plan.backing) if plan is not None else "ordinary"
+
+    def _mapped_pieces(
+        self, dit: DiTPlan, block_name: str, entries: list[StreamedParameter]
+    ) -> dict[torch.dtype, list[MappedPiece]]:
+        """Flat views of the mapped checkpoint for every parameter, in layout order."""
+        pieces: dict[torch.dtype, list[MappedPiece]] = {}
+        for entry in entries:
+            view = self.host_weight_plan.tensor(dit.name, f"{block_name}.{entry.name}")
+            if not view.is_contiguous() or view.dtype != entry.dtype:
+                raise HostWeightPlanError(
+                    f"{dit.name}.{block_name}.{entry.name}: the plan's view is not a contiguous "
+                    f"{entry.dtype} tensor; the loader's preflight and the model disagree"
+                )
+            pieces.setdefault(entry.dtype, []).append(
+                MappedPiece(entry.offset, entry.numel, view.reshape(-1))
+            )
+        for dtype_pieces in pieces.values():
+            dtype_pieces.sort(key=lambda piece: piece.offset)
+        return pieces
+
+    def _check_plan_covers(self, plan: OffloadPlan) -> None:
+        host_plan = self.host_weight_plan
+        if host_plan is None:
+            return
+        unknown = sorted(set(host_plan.components) - {dit.name for dit in plan.dits})
+        if unknown:
+            raise HostWeightPlanError(
+                f"the host-weight plan binds {', '.join(unknown)} but the pipeline has no such "
+                "DiT; hand the plan to the backend of the pipeline it was loaded with"
+            )
+
+    def _materialize_unstreamed_from_plan(
+        self,
+        plan: OffloadPlan,
+        streamed: list[tuple[DiTPlan, str, nn.Module]],
+        resident_parameter_ids: set[int],
+    ) -> None:
+        """Copy every plan-bound DiT tensor that does not stream onto the device.
+
+        Embedders, norms, resident layers and persistent buffers are small; they are
+        copied out of the mapping once. Streamed parameters stay bound to the plan.
+        """
+        host_plan = self.host_weight_plan
+        if host_plan is None:
+            return
+        streamed_names: dict[str, set[str]] = {}
+        for dit, name, block in streamed:
+            streamed_names.setdefault(dit.name, set()).update(
+                f"{name}.{param_name}"
+                for param_name, parameter in block.named_parameters()
+                if id(parameter) not in resident_parameter_ids
+            )
+        for dit in plan.dits:
+            if not self._plan_backs(dit):
+                continue
+            skipped = streamed_names.get(dit.name, set())
+            for tensor_name in dit.module.state_dict(keep_vars=True):
+                if tensor_name in skipped:
+                    continue
+                value = host_plan.tensor(dit.name, tensor_name).to(self.device, copy=True)
+                _assign_tensor(dit.module, tensor_name, value)
 
     def _link_rings(self, plan: OffloadPlan, streamed_ids: set[int]) -> None:
         by_module = {id(block.module): block for block in self._blocks}
@@ -242,35 +367,46 @@ class DistributedLayerwiseOffloadBackend:
             for position, block in enumerate(ring):
                 block.successor = ring[(position + 1) % len(ring)]
 
-    def _fill_host_arena(self) -> None:
-        """Pack each block into its arena range, then drop the loader's copy of it."""
+    def _fill_host(self) -> None:
+        """Give every block its host side (see the module docstring), then drop the loader's
+        copy of its parameters."""
+        staged = [block for block in self._blocks if block.mapped and self._shards == 1]
+        in_arena = [block for block in self._blocks if block not in staged]
         numel_by_dtype: dict[torch.dtype, int] = {}
-        for block in self._blocks:
+        for block in in_arena:
             for dtype, layout in block.layout.by_dtype.items():
                 numel_by_dtype[dtype] = numel_by_dtype.get(dtype, 0) + layout.shard_numel(
                     self._shards
                 )
         self._arena = HostArena(numel_by_dtype, page_lock=self.device.type == "cuda")
-        for block in self._blocks:
+        for block in in_arena:
             for dtype, layout in block.layout.by_dtype.items():
                 target = self._arena.take(dtype, layout.shard_numel(self._shards))
                 block.host_source[dtype] = target
-                if self._shards == 1:
-                    _pack(block, dtype, target)
-                    continue
-                # Pack where the loader left the weights (the GPU packs far faster),
-                # then keep only this rank's shard on the host.
-                source_device = next(
-                    entry.parameter.device for entry in block.parameters if entry.dtype == dtype
-                )
-                flat = torch.empty(
-                    layout.padded_numel(self._shards), dtype=dtype, device=source_device
-                )
-                _pack(block, dtype, flat)
                 start, stop = shard_bounds(layout.numel, self._shards, self._rank)
-                target.copy_(flat[start:stop])
+                if block.mapped:
+                    # Straight from the mapped checkpoint: only this rank's range is read.
+                    wait_all(self._packer.pack(block.mapped[dtype], start, stop, target))
+                elif self._shards == 1:
+                    _pack(block, dtype, target)
+                else:
+                    # Pack where the loader left the weights (the GPU packs far faster),
+                    # then keep only this rank's shard on the host.
+                    source_device = next(
+                        entry.parameter.device for entry in block.parameters if entry.dtype == dtype
+                    )
+                    flat = torch.empty(
+                        layout.padded_numel(self._shards), dtype=dtype, device=source_device
+                    )
+                    _pack(block, dtype, flat)
+                    target.copy_(flat[start:stop])
+            block.mapped = {}
+        for block in self._blocks:
             for parameter, *_ in block.parameters:
-                parameter.data = torch.empty(0, dtype=parameter.dtype)
+                _set_parameter_data(parameter, torch.empty(0, dtype=parameter.dtype))
+        if self.host_weight_plan is not None and not staged:
+            # Every shard is prepared: the source mapping is no longer needed.
+            self.host_weight_plan.close()
 
     def disable(self) -> None:
         """Synchronize, remove hooks, free slots and host memory. Idempotent.
@@ -283,9 +419,17 @@ class DistributedLayerwiseOffloadBackend:
         self._slots.synchronize()
         self._ring.remove()
         self._slots.free()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        self._packer.close()
+        self._packer = None
         self._arena.close()
+        if self.host_weight_plan is not None:
+            self.host_weight_plan.close()
         for block in self._blocks:
             block.host_source.clear()
+            block.mapped.clear()
             block.slot_views[0].clear()
             block.slot_views[1].clear()
             block.successor = None
@@ -306,6 +450,7 @@ class DistributedLayerwiseOffloadBackend:
         waits = max(counters.waits, 1)
         return OffloadStats(
             transfer_mode="allgather" if self._shards > 1 else "rank-local",
+            host_backing=self._host_backing,
             shards=self._shards,
             streamed_blocks=len(self._blocks),
             resident_blocks=self._resident_blocks,
@@ -320,6 +465,11 @@ class DistributedLayerwiseOffloadBackend:
             if counters.h2d_seconds
             else 0.0,
             host_bytes=self._arena.nbytes if self._arena else 0,
+            staging_bytes=self._staging.nbytes if self._staging else 0,
+            pack_gbps=counters.pack_bytes / counters.pack_seconds / 1e9
+            if counters.pack_seconds
+            else 0.0,
+            pack_wait_seconds=counters.pack_wait_seconds,
             host_page_locked=bool(self._arena and self._arena.page_locked),
             device_slot_bytes=self._slots.device_bytes if self._slots else 0,
             largest_block_bytes=max((b.layout.nbytes for b in self._blocks), default=0),
@@ -327,6 +477,27 @@ class DistributedLayerwiseOffloadBackend:
 
     def block_layouts(self) -> list[BlockLayout]:
         return [block.layout for block in self._blocks]
+
+
+def _set_parameter_data(parameter: nn.Parameter, value: torch.Tensor) -> None:
+    """``parameter.data = value``, also for the meta parameters of a plan-backed DiT (whose
+    tensor type cannot change in place); the Parameter object stays the same either way."""
+    if parameter.is_meta:
+        torch.utils.swap_tensors(parameter, nn.Parameter(value, parameter.requires_grad))
+    else:
+        parameter.data = value
+
+
+def _assign_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Point parameter or buffer ``name`` of ``module`` at ``value`` (same Parameter object)."""
+    owner_path, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    if attribute in owner._parameters:
+        _set_parameter_data(owner._parameters[attribute], value)
+    elif attribute in owner._buffers:
+        owner._buffers[attribute] = value
+    else:
+        raise HostWeightPlanError(f"{name} is neither a parameter nor a buffer of the model")
 
 
 def _modules_of(model_or_pipeline: object) -> list[nn.Module]:
@@ -367,7 +538,7 @@ def _skipped_blocks(module: nn.Module, skipped_ids: set[int]) -> list[nn.Module]
 def _pack(block: StreamedBlock, dtype: torch.dtype, target: torch.Tensor) -> None:
     """Write the block's ``dtype`` tensors at their layout offsets; zero the gaps."""
     end = 0
-    for parameter, parameter_dtype, offset, numel, _ in block.parameters:
+    for parameter, parameter_dtype, offset, numel, *_ in block.parameters:
         if parameter_dtype != dtype:
             continue
         target[end:offset].zero_()

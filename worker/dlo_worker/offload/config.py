@@ -7,12 +7,26 @@ configuration selects for DLO's weight sharding.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from dlo_worker.config import ShardingGroup, WorkerConfig
+
+MAX_PACK_THREADS = 8
+
+
+def default_pack_threads() -> int:
+    """This process's share of the CPUs it may run on (ranks of a node split them), up to 8.
+
+    Packing is memory-bound: beyond a few threads per process it only competes with
+    the other ranks and with the device copies for memory bandwidth.
+    """
+    cpus = len(os.sched_getaffinity(0))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(MAX_PACK_THREADS, cpus // max(ranks_here, 1)))
 
 
 @dataclass(frozen=True)
@@ -25,10 +39,14 @@ class OffloadConfig:
     resident_layers: int = 0
     block_paths: Sequence[str] | None = None
     """Attribute paths of the DiT's block lists, overriding discovery."""
+    pack_threads: int = field(default_factory=default_pack_threads)
+    """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+        if self.pack_threads < 1:
+            raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
         if self.resident_layers and self.use_allgather and self._group_size() > 1:
             raise ValueError("resident_layers require use_allgather=False (--dlo-no-use-allgather)")
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dlo_worker.offload.staging import HostStaging
 from dlo_worker.offload.streamed_block import StreamedBlock
 
 
@@ -40,6 +41,11 @@ class TransferCounters:
     h2d_bytes: int = 0
     allgather_bytes: int = 0
     h2d_seconds: float = 0.0
+    pack_bytes: int = 0
+    pack_seconds: float = 0.0
+    """Wall time of staging packs, first chunk start to last chunk end."""
+    pack_wait_seconds: float = 0.0
+    """Host time the hooks waited for a pack to finish."""
     exposed_wait_seconds: float = 0.0
     waits: int = 0
     pending_h2d: deque = field(default_factory=deque)
@@ -82,8 +88,10 @@ class SlotPair:
         process_group: dist.ProcessGroup | None,
         shards: int,
         counters: TransferCounters,
+        staging: HostStaging | None = None,
     ) -> None:
         self.device = device
+        self.staging = staging
         self.process_group = process_group
         self.shards = shards
         self.counters = counters
@@ -133,15 +141,36 @@ class SlotPair:
         slot.block = block
         self.counters.blocks_loaded += 1
         if self.on_cuda:
-            self._load_cuda(block, slot)
+            self._load_cuda(block, slot, slot_index)
         else:
-            self._load_synchronously(block, slot)
+            self._load_synchronously(block, slot, slot_index)
 
-    def _copy_host_to_device(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+    def _host_sources(
+        self, block: StreamedBlock, slot_index: int
+    ) -> dict[torch.dtype, torch.Tensor]:
+        """The host tensors to copy: the block's arena range, or its packed staging buffer."""
+        if not block.mapped:
+            return block.host_source
+        return self.staging.packed(block, slot_index)
+
+    def _copy_host_to_device(
+        self, sources: dict[torch.dtype, torch.Tensor], slot: DeviceSlot
+    ) -> None:
         targets = slot.shard_staging if self.shards > 1 else slot.buffers
-        for dtype, source in block.host_source.items():
+        for dtype, source in sources.items():
             targets[dtype][: source.numel()].copy_(source, non_blocking=True)
             self.counters.h2d_bytes += source.nbytes
+
+    def _after_copy(
+        self, block: StreamedBlock, slot_index: int, copied: torch.cuda.Event | None
+    ) -> None:
+        """Hand the staging buffer back and start packing the next block into the other one."""
+        if not block.mapped:
+            return
+        self.staging.copied(slot_index, copied)
+        successor = block.successor
+        if successor is not None and successor is not block and successor.mapped:
+            self.staging.prefetch(successor, 1 - slot_index)
 
     def _gather(self, block: StreamedBlock, slot: DeviceSlot) -> None:
         for dtype, source in block.host_source.items():
@@ -153,14 +182,18 @@ class SlotPair:
             )
             self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
 
-    def _load_synchronously(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+    def _load_synchronously(self, block: StreamedBlock, slot: DeviceSlot, slot_index: int) -> None:
+        sources = self._host_sources(block, slot_index)
         started = time.perf_counter()
-        self._copy_host_to_device(block, slot)
+        self._copy_host_to_device(sources, slot)
         self.counters.h2d_seconds += time.perf_counter() - started
+        self._after_copy(block, slot_index, None)
         if self.shards > 1:
             self._gather(block, slot)
 
-    def _load_cuda(self, block: StreamedBlock, slot: DeviceSlot) -> None:
+    def _load_cuda(self, block: StreamedBlock, slot: DeviceSlot, slot_index: int) -> None:
+        # A staged block is packed first (a host wait), so the timed copy excludes packing.
+        sources = self._host_sources(block, slot_index)
         copy_started = torch.cuda.Event(enable_timing=True)
         copy_finished = torch.cuda.Event(enable_timing=True)
         if self.comm_stream is None:
@@ -172,9 +205,10 @@ class SlotPair:
             self.copy_stream.wait_event(slot.ready)
         with torch.cuda.stream(self.copy_stream):
             copy_started.record()
-            self._copy_host_to_device(block, slot)
+            self._copy_host_to_device(sources, slot)
             copy_finished.record()
         self.counters.pending_h2d.append((copy_started, copy_finished))
+        self._after_copy(block, slot_index, copy_finished)
         if self.comm_stream is None:
             slot.ready.record(self.copy_stream)
             return

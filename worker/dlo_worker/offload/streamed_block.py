@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dlo_worker.offload.layout import BlockLayout
+from dlo_worker.offload.staging import MappedPiece
 
 
 class StreamedParameter(NamedTuple):
@@ -25,6 +26,8 @@ class StreamedParameter(NamedTuple):
     offset: int
     numel: int
     shape: tuple[int, ...]
+    name: str
+    """The parameter's name inside its block (``attn1.to_q.weight``)."""
 
 
 @dataclass(eq=False)
@@ -38,6 +41,8 @@ class StreamedBlock:
     """In layout order."""
     host_source: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
+    mapped: dict[torch.dtype, list[MappedPiece]] = field(default_factory=dict)
+    """Checkpoint-backed rank-local blocks: mapped views to pack through staging, per dtype."""
     slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
         default_factory=lambda: ([], [])
     )
@@ -56,5 +61,5 @@ class StreamedBlock:
     def bind_slot_views(self, slot_index: int, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         self.slot_views[slot_index][:] = [
             buffers[dtype][offset : offset + numel].view(shape)
-            for _, dtype, offset, numel, shape in self.parameters
+            for _, dtype, offset, numel, shape, _ in self.parameters
         ]

@@ -1,4 +1,4 @@
-"""The ordinary loading path: every component of a diffusers directory, materialized on a device.
+"""Checks on a diffusers pipeline directory that run before torch is imported.
 
 Loading is strictly offline (``local_files_only``): a worker must never reach a hub
 at start-up, and a missing file is a clear error instead of a download.
@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-    from diffusers import DiffusionPipeline
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -52,34 +50,9 @@ def check_model_directory(model_dir: Path) -> str:
     return class_name
 
 
-def load_pipeline(
-    model_dir: Path, *, dtype: torch.dtype, device: torch.device
-) -> DiffusionPipeline:
-    """Load every component of ``model_dir`` in ``dtype`` and move the pipeline to ``device``.
-
-    diffusers shows a progress bar per component while loading.
-    """
-    from diffusers import DiffusionPipeline
+def quiet_diffusers_handlers() -> None:
+    """Route diffusers' records through our structured root handler instead of its own."""
     from diffusers.utils import logging as diffusers_logging
 
-    # Route diffusers' records through our structured root handler instead of its own.
     diffusers_logging.disable_default_handler()
     diffusers_logging.enable_propagation()
-
-    check_model_directory(model_dir)
-    started = time.perf_counter()
-    pipeline = DiffusionPipeline.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
-    pipeline.to(device)
-    logger.info(
-        "pipeline loaded",
-        extra={
-            "fields": {
-                "model": str(model_dir),
-                "pipeline": type(pipeline).__name__,
-                "dtype": str(dtype).removeprefix("torch."),
-                "device": str(device),
-                "load_s": round(time.perf_counter() - started, 3),
-            }
-        },
-    )
-    return pipeline

@@ -1,0 +1,216 @@
+"""Checkpoint-backed DLO: bitwise equal to resident, in both transfer modes and every layout.
+
+The demo pipeline is rewritten as single-file, sharded (index + 4 shards) and fused-QKV
+(the adapter's layout) checkpoints. For each, the worker's real loading path
+(DiffusersPipelineLoader -> HostWeightPlan -> backend) must produce the resident
+outputs bit for bit, rank-locally (mapped views + pinned staging) and with AllGather
+over two gloo processes (shards packed from the mapping, mapping then closed).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dlo_worker import metrics
+from dlo_worker.config import HostBacking, build_config
+from dlo_worker.loader.checkpoint import CheckpointError
+from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
+from dlo_worker.loader.host_weight_plan import HostWeightPlanError
+from dlo_worker.worker import Worker
+from tests.cluster.control_plane import free_port
+from tests.support import checkpoints
+
+FORWARDS = 3
+VARIANTS = ("single", "sharded", "fused")
+
+
+@pytest.fixture(scope="module")
+def variants(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("variants")
+    copy = checkpoints.copy_pipeline
+    return {
+        "single": demo_model_dir,
+        "sharded": checkpoints.shard(copy(demo_model_dir, root / "sharded")),
+        "fused": checkpoints.fuse_qkv(copy(demo_model_dir, root / "fused")),
+        "mixed": checkpoints.add_foreign_tensor(copy(demo_model_dir, root / "mixed")),
+    }
+
+
+def worker_config(
+    path: Path,
+    *,
+    dlo: bool,
+    allgather: bool = False,
+    model: dict | None = None,
+    parallel: dict | None = None,
+    **offload: object,
+):
+    if dlo:
+        offload |= {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": allgather}
+    return build_config(
+        {
+            "model": {"model": str(path), "device": "cpu", **(model or {})},
+            "parallel": parallel or {},
+            "offload": offload,
+        }
+    )
+
+
+def transformer_outputs(transformer: torch.nn.Module) -> list[torch.Tensor]:
+    """Several forwards of the DiT on fixed inputs (class-conditional, CFG-sized batch)."""
+    config = transformer.config
+    generator = torch.Generator().manual_seed(7)
+    latents = torch.randn(
+        2, config.in_channels, config.sample_size, config.sample_size, generator=generator
+    )
+    outputs = []
+    with torch.inference_mode():
+        for step in range(FORWARDS):
+            timestep = torch.tensor([900 - 300 * step] * 2)
+            labels = torch.tensor([207, 1000])
+            outputs.append(transformer(latents, timestep=timestep, class_labels=labels).sample)
+    return outputs
+
+
+def run_worker(config) -> tuple[list[torch.Tensor], Worker]:
+    with Worker(config) as worker:
+        outputs = transformer_outputs(worker.pipeline.transformer)
+        worker.stats = worker.backend.stats() if worker.backend else None
+    return outputs, worker
+
+
+@pytest.fixture(scope="module")
+def resident(demo_model_dir: Path) -> list[torch.Tensor]:
+    outputs, worker = run_worker(worker_config(demo_model_dir, dlo=False))
+    assert worker.backing.backing == HostBacking.ORDINARY
+    return outputs
+
+
+def assert_bitwise(outputs: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_resident_loading_reads_every_layout(variant, variants, resident) -> None:
+    outputs, worker = run_worker(worker_config(variants[variant], dlo=False))
+    assert_bitwise(outputs, resident)
+    assert worker.backing.backing == HostBacking.ORDINARY
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resident) -> None:
+    outputs, worker = run_worker(worker_config(variants[variant], dlo=True))
+    assert_bitwise(outputs, resident)
+    stats = worker.stats
+    assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
+    assert stats.host_backing == "checkpoint-mmap"
+    assert stats.host_bytes == 0  # no private copy of the blocks
+    assert stats.staging_bytes == 2 * stats.largest_block_bytes
+    assert stats.pack_gbps > 0
+    if variant == "fused":
+        assert "adapters: fused-qkv" in worker.backing.reason
+
+
+def test_the_dit_is_never_materialized_and_the_plan_is_taken_once(variants) -> None:
+    loader = DiffusersPipelineLoader(
+        worker_config(variants["sharded"], dlo=True),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    pipeline = loader.load()
+    assert all(parameter.is_meta for parameter in pipeline.transformer.parameters())
+    assert not any(parameter.is_meta for parameter in pipeline.vae.parameters())
+    plan = loader.take_host_weight_plan()
+    assert plan is not None
+    assert loader.take_host_weight_plan() is None
+    assert len(plan.coverage.files) == 4
+    assert plan.coverage.nbytes == sum(
+        parameter.numel() * parameter.element_size()
+        for parameter in pipeline.transformer.state_dict(keep_vars=True).values()
+    )
+    plan.close()
+    with pytest.raises(HostWeightPlanError, match="closed"):
+        plan.tensor("transformer", "proj_out_2.weight")
+
+
+def test_a_mixed_source_falls_back_as_a_unit_and_is_counted(variants, resident) -> None:
+    counter = metrics.HOST_BACKING_FALLBACKS.labels(reason="mixed")
+    before = counter._value.get()
+    outputs, worker = run_worker(worker_config(variants["mixed"], dlo=True))
+    assert_bitwise(outputs, resident)
+    assert worker.backing.backing == HostBacking.ORDINARY
+    assert "text_encoder.embeddings.weight" in worker.backing.reason
+    assert worker.stats.host_backing == "ordinary"
+    assert counter._value.get() == before + 1
+
+
+def test_a_dtype_conversion_falls_back_to_ordinary_loading(variants) -> None:
+    config = worker_config(variants["single"], dlo=True, model={"dtype": "bfloat16"})
+    loader = DiffusersPipelineLoader(config, dtype=torch.bfloat16, device=torch.device("cpu"))
+    pipeline = loader.load()
+    assert loader.take_host_weight_plan() is None
+    assert loader.decision.backing == HostBacking.ORDINARY
+    assert "stores float32 but the runtime dtype is bfloat16" in loader.decision.reason
+    assert pipeline.transformer.proj_out_2.weight.dtype == torch.bfloat16
+
+
+def test_failing_to_consume_a_plan_is_a_hard_error(variants) -> None:
+    config = worker_config(variants["single"], dlo=True, dlo_block_paths=["no_such_blocks"])
+    with pytest.raises(HostWeightPlanError, match="DiT was not loaded ordinarily"):
+        run_worker(config)
+
+
+def test_corrupt_checkpoints_are_clear_errors(variants, tmp_path: Path) -> None:
+    broken = checkpoints.copy_pipeline(variants["sharded"], tmp_path / "broken")
+    shard = next((broken / "transformer").glob("*-00002-of-00004.safetensors"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match="named in the index is missing"):
+        run_worker(worker_config(broken, dlo=True))
+
+
+# --- AllGather over two gloo processes ------------------------------------------------------
+
+
+def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected: str) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
+    torch.set_num_threads(1)
+    config = worker_config(
+        Path(model), dlo=True, allgather=True, parallel={"data_parallel_size": world_size}
+    )
+    with Worker(config) as worker:
+        plan_closed = worker.backend.host_weight_plan.closed
+        outputs = transformer_outputs(worker.pipeline.transformer)
+        stats = worker.backend.stats()
+    assert_bitwise(outputs, torch.load(expected))
+    assert plan_closed  # every rank prepared its shard, then released the mapping
+    assert stats.host_backing == "checkpoint-mmap"
+    assert stats.transfer_mode == "allgather"
+    assert stats.shards == world_size
+    assert stats.staging_bytes == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_allgather_checkpoint_backing_is_bitwise_equal(
+    variant, variants, resident, tmp_path: Path
+) -> None:
+    expected = tmp_path / "resident.pt"
+    torch.save(resident, expected)
+    mp.spawn(
+        _allgather_rank,
+        args=(2, free_port(), str(variants[variant]), str(expected)),
+        nprocs=2,
+        join=True,
+    )
