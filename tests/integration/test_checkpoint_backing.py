@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dlo_worker import metrics
+from dlo_worker.cli import main as worker_main
 from dlo_worker.config import HostBacking, build_config
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
@@ -214,3 +215,98 @@ def test_allgather_checkpoint_backing_is_bitwise_equal(
         nprocs=2,
         join=True,
     )
+
+
+def test_generate_names_a_truncated_checkpoint_and_exits_2(
+    variants, tmp_path: Path, capsys
+) -> None:
+    broken = checkpoints.copy_pipeline(variants["single"], tmp_path / "truncated")
+    weights = broken / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    code = worker_main(
+        ["generate", "--model", str(broken), "--device", "cpu", "--out", str(tmp_path / "x.png")]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{weights}: not a readable safetensors file" in err
+    assert "copy it again" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_generate_reports_the_chosen_backing(variants, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "x.png"
+    code = worker_main(
+        [
+            "generate",
+            "--model",
+            str(variants["fused"]),
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+            "--enable-distributed-layerwise-offload",
+            "--dlo-no-use-allgather",
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "host backing: checkpoint-mmap - transformer: checkpoint-mmap (" in printed
+    assert "adapters: fused-qkv" in printed
+
+
+# --- Page sharing between processes on one node ---------------------------------------------
+
+
+def _sharing_rank(rank: int, world_size: int, port: int, model: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from dlo_worker.memory import mapped_file_memory
+
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
+    torch.set_num_threads(1)
+    config = worker_config(Path(model), dlo=True, parallel={"data_parallel_size": world_size})
+    with Worker(config) as worker:
+        files = worker.backend.host_weight_plan.coverage.files
+        transformer_outputs(worker.pipeline.transformer)
+        dist.barrier()  # every process has streamed every block
+        usage = mapped_file_memory(files)
+        dist.barrier()  # nobody unmaps before everyone measured
+    Path(out, f"{rank}.json").write_text(
+        json.dumps(
+            {
+                # Freshly written files may still be dirty in the page cache: shared either way.
+                "shared": usage.shared_clean + usage.shared_dirty,
+                "private": usage.private,
+                "copied_on_write": usage.anonymous,
+                "file_bytes": sum(file.stat().st_size for file in files),
+            }
+        )
+    )
+
+
+def test_processes_share_the_checkpoint_pages(variants, tmp_path: Path) -> None:
+    import json
+
+    mp.spawn(
+        _sharing_rank,
+        args=(2, free_port(), str(variants["sharded"]), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    for rank in range(2):
+        usage = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert usage["copied_on_write"] == 0  # the mapping was never written to
+        assert usage["private"] == 0  # every resident page is also mapped by the other process
+        assert usage["shared"] >= 0.9 * usage["file_bytes"]

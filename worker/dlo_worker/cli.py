@@ -234,6 +234,7 @@ def _command_generate(args: argparse.Namespace) -> int:
     from dlo_worker.devices import DeviceUnavailableError
     from dlo_worker.distributed import TopologyError
     from dlo_worker.generate import generate_image, write_png
+    from dlo_worker.loader.checkpoint import CheckpointError
     from dlo_worker.worker import Worker
 
     try:
@@ -249,7 +250,7 @@ def _command_generate(args: argparse.Namespace) -> int:
             backing = worker.backing
             if worker.backend is not None:
                 logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
-    except TopologyError as error:
+    except (TopologyError, CheckpointError) as error:
         raise UsageError(str(error)) from None
     out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
     path = write_png(image, out)
@@ -264,6 +265,7 @@ def _command_serve(args: argparse.Namespace) -> int:
 
     from dlo_worker.devices import DeviceUnavailableError
     from dlo_worker.distributed import TopologyError
+    from dlo_worker.loader.checkpoint import CheckpointError
     from dlo_worker.serve import ListenError, ServeOptions, serve
 
     options = ServeOptions(
@@ -271,7 +273,7 @@ def _command_serve(args: argparse.Namespace) -> int:
     )
     try:
         serve(config, options)
-    except (DeviceUnavailableError, TopologyError, ListenError) as error:
+    except (DeviceUnavailableError, TopologyError, ListenError, CheckpointError) as error:
         raise UsageError(str(error)) from None
     return 0
 

@@ -6,7 +6,7 @@ and tests can read them from the default registry.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Info
 
 REQUESTS = Counter(
     "dlo_requests",
@@ -37,3 +37,4 @@ HOST_BACKING_FALLBACKS = Counter(
     "by reason (topology, missing, ambiguous, mixed, dtype, keep-fp32, format, class).",
     ["reason"],
 )
+HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")

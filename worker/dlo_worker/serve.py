@@ -17,6 +17,7 @@ import signal
 import types
 from dataclasses import dataclass
 
+from dlo_worker import metrics
 from dlo_worker.config import ShardingGroup, WorkerConfig
 from dlo_worker.engine import Engine, RequestQueue
 from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
@@ -80,6 +81,11 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
 
             # Worker.shutdown restores the handler that was installed before the worker.
             signal.signal(signal.SIGTERM, drain_on_sigterm)
+            metrics.HOST_BACKING.info({"backing": str(worker.backing.backing)})
+            logger.info(
+                "host backing",
+                extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
+            )
             if queue is not None:
                 queue.open()
             state.set_phase(Phase.READY)
