@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from tests.cluster import pki as pki_module
 from tests.cluster.build import Builder, cache_root
+from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -71,12 +71,6 @@ class ClusterState:
 
 def default_directory() -> Path:
     return Path(os.environ.get("DLO_CLUSTER_DIR") or cache_root() / "run")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _stat_fields(pid: int) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import free_port
+from tests.support.ports import free_port
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 60, what: str = "condition") -> None:

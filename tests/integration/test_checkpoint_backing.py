@@ -18,15 +18,15 @@ import torch.multiprocessing as mp
 
 from dlo_worker import metrics
 from dlo_worker.cli import main as worker_main
-from dlo_worker.config import HostBacking, build_config
+from dlo_worker.config import HostBacking
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.worker import Worker
-from tests.cluster.control_plane import free_port
 from tests.support import checkpoints
+from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.ports import free_port
 
-FORWARDS = 3
 VARIANTS = ("single", "sharded", "fused")
 
 
@@ -40,42 +40,6 @@ def variants(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "fused": checkpoints.fuse_qkv(copy(demo_model_dir, root / "fused")),
         "mixed": checkpoints.add_foreign_tensor(copy(demo_model_dir, root / "mixed")),
     }
-
-
-def worker_config(
-    path: Path,
-    *,
-    dlo: bool,
-    allgather: bool = False,
-    model: dict | None = None,
-    parallel: dict | None = None,
-    **offload: object,
-):
-    if dlo:
-        offload |= {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": allgather}
-    return build_config(
-        {
-            "model": {"model": str(path), "device": "cpu", **(model or {})},
-            "parallel": parallel or {},
-            "offload": offload,
-        }
-    )
-
-
-def transformer_outputs(transformer: torch.nn.Module) -> list[torch.Tensor]:
-    """Several forwards of the DiT on fixed inputs (class-conditional, CFG-sized batch)."""
-    config = transformer.config
-    generator = torch.Generator().manual_seed(7)
-    latents = torch.randn(
-        2, config.in_channels, config.sample_size, config.sample_size, generator=generator
-    )
-    outputs = []
-    with torch.inference_mode():
-        for step in range(FORWARDS):
-            timestep = torch.tensor([900 - 300 * step] * 2)
-            labels = torch.tensor([207, 1000])
-            outputs.append(transformer(latents, timestep=timestep, class_labels=labels).sample)
-    return outputs
 
 
 def run_worker(config) -> tuple[list[torch.Tensor], Worker]:

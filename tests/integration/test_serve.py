@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cluster.control_plane import free_port
+from tests.support.ports import free_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 REQUESTS = (

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from dlo_worker.config import WorkerConfig, build_config
 from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
 
+FORWARDS = 3
 QKV = re.compile(r"^(?P<attention>.+)\.to_q\.(?P<kind>weight|bias)$")
 
 
@@ -68,4 +70,52 @@ def add_foreign_tensor(pipeline_dir: Path) -> Path:
     state = transformer_state(pipeline_dir)
     state["text_encoder.embeddings.weight"] = torch.zeros(4, 4)
     write_single(pipeline_dir, state)
+    return pipeline_dir
+
+
+def worker_config(
+    path: Path,
+    *,
+    dlo: bool,
+    allgather: bool = False,
+    device: str = "cpu",
+    model: dict | None = None,
+    parallel: dict | None = None,
+    **offload: object,
+) -> WorkerConfig:
+    """A worker configuration for ``path``: resident, or DLO rank-local / AllGather."""
+    if dlo:
+        offload |= {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": allgather}
+    return build_config(
+        {
+            "model": {"model": str(path), "device": device, **(model or {})},
+            "parallel": parallel or {},
+            "offload": offload,
+        }
+    )
+
+
+def transformer_outputs(transformer: torch.nn.Module) -> list[torch.Tensor]:
+    """Several forwards of the DiT on fixed inputs (class-conditional, CFG-sized batch)."""
+    config = transformer.config
+    placeholder = next(transformer.parameters())
+    device, dtype = placeholder.device, placeholder.dtype
+    generator = torch.Generator().manual_seed(7)
+    latents = torch.randn(
+        2, config.in_channels, config.sample_size, config.sample_size, generator=generator
+    ).to(device, dtype)
+    outputs = []
+    with torch.inference_mode():
+        for step in range(FORWARDS):
+            timestep = torch.tensor([900 - 300 * step] * 2, device=device)
+            labels = torch.tensor([207, 1000], device=device)
+            sample = transformer(latents, timestep=timestep, class_labels=labels).sample
+            outputs.append(sample.cpu())
+    return outputs
+
+
+def to_bfloat16(pipeline_dir: Path) -> Path:
+    """Store the transformer checkpoint in bfloat16 (the CUDA runtime dtype)."""
+    state = transformer_state(pipeline_dir)
+    write_single(pipeline_dir, {key: value.to(torch.bfloat16) for key, value in state.items()})
     return pipeline_dir

@@ -206,10 +206,27 @@ def _skeleton(model_class: type, component_dir: Path, dtype: torch.dtype) -> nn.
 
     with init_empty_weights():
         model = model_class.from_config(model_class.load_config(str(component_dir)))
-    # The cast diffusers' from_pretrained applies after loading (floating parameters and
-    # buffers), through nn.Module.to: ModelMixin.to warns about fp32 modules, which
-    # _unproven_class already excludes.
-    return nn.Module.to(model, dtype).eval()
+    _cast_state_like_from_pretrained(model, dtype)
+    return model.eval()
+
+
+def _cast_state_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give floating parameters and persistent buffers ``dtype``, as diffusers' loader does
+    while loading the state dict; non-persistent buffers keep their constructed dtype."""
+    persistent = set(model.state_dict(keep_vars=True))
+    cast: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, parameter in module._parameters.items():
+            if parameter is not None and parameter.is_floating_point():
+                if id(parameter) not in cast:
+                    cast[id(parameter)] = nn.Parameter(
+                        parameter.to(dtype), requires_grad=parameter.requires_grad
+                    )
+                module._parameters[name] = cast[id(parameter)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and prefix + name in persistent:
+                module._buffers[name] = buffer.to(dtype)
 
 
 def _report_fallback(component: str, refused: Rejection, streams_dit: bool) -> str:

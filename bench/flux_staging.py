@@ -1,0 +1,211 @@
+"""Checkpoint-backed staging vs the pinned path, Flux-class DiT, one GPU, same process.
+
+The real FluxTransformer2DModel configuration with random bf16 weights is written as a
+sharded safetensors checkpoint, then run three ways, rank-local:
+
+- resident (all weights on the GPU), for the limit;
+- DLO, ordinary tensors: blocks in a private page-locked arena (the pinned path);
+- DLO, checkpoint mmap: the loader's plan; blocks stay in the page cache and are
+  packed by ``--pack-threads`` threads through two pinned staging buffers.
+
+It also measures the pack rate from the mapping into pinned memory for 1..N threads,
+against the single-thread host-copy anchor of ANCHORS.md (30-34 GB/s).
+
+    python bench/flux_staging.py --resolutions 1024 2048 --json out.json
+
+``DLO_BENCH_DIR`` chooses where the 24 GB checkpoint is written (default: a temp dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from flux_dlo import build_flux, flux_inputs, pinned_h2d_gbps, release, step_seconds
+from safetensors.torch import save_file
+
+SHARD_BYTES = 5 * 2**30
+ANCHOR_PACK_GBPS = (30.0, 34.0)
+
+
+def write_checkpoint(model: torch.nn.Module, directory: Path) -> float:
+    """config.json + sharded safetensors + index, as diffusers writes them; returns seconds."""
+    started = time.perf_counter()
+    model.save_config(str(directory))
+    shard: dict[str, torch.Tensor] = {}
+    shards: list[dict[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in model.state_dict().items():
+        if size + tensor.nbytes > SHARD_BYTES and shard:
+            shards.append(shard)
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += tensor.nbytes
+    shards.append(shard)
+    weight_map = {}
+    for index, part in enumerate(shards):
+        name = f"diffusion_pytorch_model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(
+            {k: v.cpu() for k, v in part.items()}, directory / name, metadata={"format": "pt"}
+        )
+        weight_map.update(dict.fromkeys(part, name))
+    index_path = directory / "diffusion_pytorch_model.safetensors.index.json"
+    index_path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return time.perf_counter() - started
+
+
+def checkpoint_backed(directory: Path, device: torch.device, pack_threads: int):
+    """The skeleton and backend the worker would build from this directory."""
+    from diffusers import FluxTransformer2DModel
+
+    from dlo_worker.config import HostBacking, build_config
+    from dlo_worker.loader.diffusers_loader import prepare_dit
+    from dlo_worker.loader.host_weight_plan import HostWeightPlan
+    from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
+
+    config = build_config(
+        {
+            "model": {"dtype": "bfloat16"},
+            "parallel": {},
+            "offload": {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False},
+        }
+    )
+    prepared = prepare_dit(
+        config, directory, FluxTransformer2DModel, torch.bfloat16, component="model"
+    )
+    if prepared.plan is None:
+        raise SystemExit(f"preflight refused the checkpoint: {prepared.reason}")
+    plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, {"model": prepared.plan})
+    backend = DistributedLayerwiseOffloadBackend(
+        OffloadConfig(use_allgather=False, pack_threads=pack_threads), device, plan
+    )
+    return prepared.module, backend
+
+
+def pack_rates(directory: Path, threads: list[int], blocks: int = 6) -> dict[int, float]:
+    """GB/s packing the first ``blocks`` double blocks from the mapping into pinned memory."""
+    from safetensors import safe_open
+
+    from dlo_worker.offload.staging import MappedPiece, Packer, wait_all
+
+    index = json.loads((directory / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    views = []
+    handles = {}
+    for key, file in sorted(index["weight_map"].items()):
+        if key.startswith(tuple(f"transformer_blocks.{i}." for i in range(blocks))):
+            handle = handles.setdefault(file, safe_open(str(directory / file), framework="pt"))
+            views.append(handle.get_tensor(key).reshape(-1))
+    pieces, offset = [], 0
+    for view in views:
+        pieces.append(MappedPiece(offset, view.numel(), view))
+        offset += view.numel()
+    target = torch.empty(offset, dtype=torch.bfloat16, pin_memory=True)
+    rates = {}
+    for count in threads:
+        packer = Packer(count)
+        wait_all(packer.pack(pieces, 0, offset, target))  # warm: pages in cache, threads up
+        seconds = min(wait_all(packer.pack(pieces, 0, offset, target)) for _ in range(3))
+        rates[count] = target.nbytes / seconds / 1e9
+        packer.close()
+    return rates
+
+
+def print_report(report: dict, pack_threads: list[int]) -> None:
+    for threads, rate in report["pack_gbps_by_threads"].items():
+        print(
+            f"pack {threads:>2} thread(s): {rate:6.1f} GB/s = {rate / ANCHOR_PACK_GBPS[1]:.2f}x "
+            f"the one-thread anchor's top ({ANCHOR_PACK_GBPS[1]} GB/s)"
+        )
+    for resolution, row in report["results"].items():
+        for threads in pack_threads:
+            print(
+                f"{resolution}: pinned {row['pinned_s']:.3f} s, staging ({threads} threads) "
+                f"{row[f'staging_s_{threads}t']:.3f} s = "
+                f"{row[f'staging_over_pinned_{threads}t']:.3f}x pinned, "
+                f"{row[f'staging_over_limit_{threads}t']:.3f}x limit "
+                f"(resident {row['resident_s']:.3f} s, bound {row['transfer_bound_s']:.3f} s)"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pack-threads", type=int, nargs="+", default=[8])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from dlo_worker.offload import enable_dlo
+
+    device = torch.device("cuda", 0)
+    report: dict = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "cpus": len(os.sched_getaffinity(0)),
+        "pinned_h2d_gbps": pinned_h2d_gbps(device),
+        "results": {},
+    }
+    inputs = {r: flux_inputs(r, device) for r in args.resolutions}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("DLO_BENCH_DIR")) as root:
+        directory = Path(root)
+        model = build_flux(device)
+        report["write_s"] = write_checkpoint(model, directory)
+        for resolution in args.resolutions:
+            release(device)
+            report["results"][resolution] = {
+                "resident_s": step_seconds(model, inputs[resolution], args.repeats)
+            }
+        backend = enable_dlo(model, device=device, use_allgather=False)
+        block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
+        report["block_gib"] = block_bytes / 2**30
+        bound_s = block_bytes / (report["pinned_h2d_gbps"] * 1e9)
+        for resolution in args.resolutions:
+            release(device)
+            row = report["results"][resolution]
+            row["transfer_bound_s"] = bound_s
+            row["pinned_s"] = step_seconds(model, inputs[resolution], args.repeats)
+        backend.disable()
+        del model, backend
+        gc.collect()
+        release(device)
+
+        report["pack_gbps_by_threads"] = pack_rates(directory, sorted({1, 2, 4, 8, 16}))
+        for threads in args.pack_threads:
+            started = time.perf_counter()
+            skeleton, backend = checkpoint_backed(directory, device, threads)
+            backend.enable(skeleton)
+            setup_s = time.perf_counter() - started
+            for resolution in args.resolutions:
+                release(device)
+                row = report["results"][resolution]
+                staged_s = step_seconds(skeleton, inputs[resolution], args.repeats)
+                limit = max(row["resident_s"], bound_s)
+                row[f"staging_s_{threads}t"] = staged_s
+                row[f"staging_over_pinned_{threads}t"] = staged_s / row["pinned_s"]
+                row[f"staging_over_limit_{threads}t"] = staged_s / limit
+            stats = backend.stats()
+            report[f"staging_{threads}t"] = {
+                "setup_s": setup_s,
+                "pack_gbps": stats.pack_gbps,
+                "pack_wait_s": stats.pack_wait_seconds,
+                "achieved_h2d_gbps": stats.h2d_gbps,
+                "staging_gib": stats.staging_bytes / 2**30,
+                "host_private_gib": stats.host_bytes / 2**30,
+                "exposed_wait_ms_per_block": stats.exposed_wait_seconds_per_block * 1e3,
+            }
+            backend.disable()
+            del skeleton, backend
+            gc.collect()
+            release(device)
+    print_report(report, args.pack_threads)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Checkpoint-backed DLO on CUDA (bf16): pinned staging rank-locally, NCCL AllGather on two GPUs.
+
+The demo pipeline's transformer is stored in bfloat16 (the CUDA runtime dtype) as
+single-file, sharded and fused-QKV checkpoints; every variant must match resident
+execution bit for bit through the worker's own loading path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dlo_worker.config import HostBacking
+from dlo_worker.worker import Worker
+from tests.support import checkpoints
+from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.ports import free_port
+
+VARIANTS = ("single", "sharded", "fused")
+
+
+@pytest.fixture(scope="module")
+def variants(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cuda-variants")
+    single = checkpoints.to_bfloat16(checkpoints.copy_pipeline(demo_model_dir, root / "single"))
+    return {
+        "single": single,
+        "sharded": checkpoints.shard(checkpoints.copy_pipeline(single, root / "sharded")),
+        "fused": checkpoints.fuse_qkv(checkpoints.copy_pipeline(single, root / "fused")),
+    }
+
+
+def run_worker(config) -> tuple[list[torch.Tensor], Worker]:
+    with Worker(config) as worker:
+        outputs = transformer_outputs(worker.pipeline.transformer)
+        worker.stats = worker.backend.stats() if worker.backend else None
+    return outputs, worker
+
+
+@pytest.fixture(scope="module")
+def resident(variants: dict[str, Path]) -> list[torch.Tensor]:
+    outputs, _ = run_worker(worker_config(variants["single"], dlo=False, device="cuda"))
+    return outputs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rank_local_staging_on_cuda_is_bitwise_equal(variant, variants, resident) -> None:
+    outputs, worker = run_worker(worker_config(variants[variant], dlo=True, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, resident, strict=True))
+    assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
+    stats = worker.stats
+    assert stats.host_bytes == 0
+    assert stats.staging_bytes == 2 * stats.largest_block_bytes
+    assert stats.on_demand_loads == 0  # the staging ring prefetches like the pinned one
+
+
+def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected: str) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "NCCL_NVLS_ENABLE": "0",
+        }
+    )
+    config = worker_config(
+        Path(model),
+        dlo=True,
+        allgather=True,
+        device=f"cuda:{rank}",
+        parallel={"data_parallel_size": world_size},
+    )
+    with Worker(config) as worker:
+        closed = worker.backend.host_weight_plan.closed
+        outputs = transformer_outputs(worker.pipeline.transformer)
+        stats = worker.backend.stats()
+    assert all(torch.equal(a, b) for a, b in zip(outputs, torch.load(expected), strict=True))
+    assert closed
+    assert (stats.host_backing, stats.transfer_mode, stats.shards) == (
+        "checkpoint-mmap",
+        "allgather",
+        world_size,
+    )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("variant", ["sharded", "fused"])
+def test_nccl_allgather_from_the_checkpoint_is_bitwise_equal(
+    variant, variants, resident, tmp_path: Path
+) -> None:
+    expected = tmp_path / "resident.pt"
+    torch.save(resident, expected)
+    mp.spawn(
+        _allgather_rank,
+        args=(2, free_port(), str(variants[variant]), str(expected)),
+        nprocs=2,
+        join=True,
+    )
