@@ -12,7 +12,7 @@ from decimal import Decimal
 from kubernetes.utils import parse_quantity
 
 from dlo_operator.api import DiffusionDeploymentSpec
-from dlo_worker.config import ConfigError, WorkerConfig, build_config
+from dlo_worker.config import ConfigError, WorkerConfig, build_config, execution_errors
 
 RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
 """Where the node's runtime-cache hostPath appears inside every worker container."""
@@ -45,7 +45,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
         offload_values["dlo_runtime_cache_root"] = RUNTIME_CACHE_MOUNT_PATH
         offload_values["dlo_runtime_cache_lock_timeout"] = cache.lock_timeout_seconds
     try:
-        return build_config(
+        config = build_config(
             {
                 "model": {
                     "model": model_path(spec),
@@ -66,6 +66,10 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
         )
     except ConfigError as error:
         raise InvalidSpecError(str(error)) from None
+    if errors := execution_errors(config):
+        # Valid for the design, but the worker would exit at start-up: refuse it here.
+        raise InvalidSpecError("; ".join(errors))
+    return config
 
 
 def pinned_budget_bytes(spec: DiffusionDeploymentSpec) -> Decimal:

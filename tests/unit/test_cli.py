@@ -185,8 +185,8 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
     [
         (["--port", "70000"], "--port: must be a TCP port"),
         (["--max-queued-requests", "0"], "--max-queued-requests: must be at least 1"),
-        (["--enable-cpu-offload"], "not available in dlo-worker serve"),
-        (["--sequence-parallel-size", "2"], "serve runs data parallel only"),
+        (["--enable-cpu-offload"], "is not executed by this worker release"),
+        (["--sequence-parallel-size", "2"], "runs data parallel only"),
     ],
 )
 def test_serve_rejects_bad_options_before_loading(capsys, demo_model_dir, argv, named) -> None:

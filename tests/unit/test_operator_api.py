@@ -78,6 +78,19 @@ def test_invalid_dlo_combination_carries_the_workers_message() -> None:
     assert "--use-hsdp cannot be combined with DLO AllGather" in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"parallelism": {"data": 2, "sequence": 2}}, "runs data parallel only"),
+        ({"quantization": "fp8"}, "--quantization fp8 is not executed by this worker release"),
+    ],
+)
+def test_valid_but_not_yet_executable_specs_are_refused(fields: dict, named: str) -> None:
+    """The worker would exit at start-up; the operator says so instead of crash-looping Pods."""
+    with pytest.raises(InvalidSpecError, match=named):
+        validate(spec(**fields))
+
+
 def test_runtime_cache_needs_no_allgather_per_the_worker() -> None:
     with pytest.raises(InvalidSpecError, match="--dlo-enable-runtime-cache requires"):
         validate(spec(offload={"runtimeCache": {"enabled": True}}))

@@ -85,7 +85,7 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
                 "runtimeCache": {"enabled": True, "pinLimitGiB": 8},
             }
         ),
-        spec(model={"imagePath": "/opt/model"}, quantization="fp8", dtype="bfloat16"),
+        spec(model={"imagePath": "/opt/model"}, dtype="bfloat16"),
     ):
         arguments = worker_arguments(variant)
         served = build_parser().parse_args(arguments)

@@ -24,12 +24,11 @@ from dlo_worker.config import (
     ConfigError,
     ModelOptions,
     OffloadOptions,
-    OffloadPolicy,
     ParallelOptions,
-    Quantization,
     WorkerConfig,
     build_config,
     describe_validation_error,
+    execution_errors,
     flag_for,
 )
 from dlo_worker.requests import GenerationRequest
@@ -171,37 +170,6 @@ def _command_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unsupported_execution(config: WorkerConfig, command: str) -> str | None:
-    """Why ``command`` cannot run ``config`` yet (the options are valid, the execution is not
-    implemented), or None."""
-    effective = config.effective()
-    if effective.offload_policy in (
-        OffloadPolicy.MODEL_CPU_OFFLOAD,
-        OffloadPolicy.LAYERWISE_OFFLOAD,
-    ):
-        return (
-            f"offload policy {effective.offload_policy} is not available in dlo-worker {command}; "
-            "use --enable-distributed-layerwise-offload or run resident"
-        )
-    if config.model.quantization != Quantization.NONE:
-        return (
-            f"--quantization {config.model.quantization} is not available in dlo-worker "
-            f"{command} yet; use --quantization none"
-        )
-    parallel = config.parallel
-    if (
-        parallel.sequence_parallel_size > 1
-        or parallel.tensor_parallel_size > 1
-        or parallel.use_hsdp
-    ):
-        return (
-            f"{command} runs data parallel only: the model's sequence/tensor-parallel execution "
-            "and HSDP are not implemented; set --sequence-parallel-size and "
-            "--tensor-parallel-size to 1 and drop --use-hsdp"
-        )
-    return None
-
-
 def rank_output_path(out: Path, data_parallel_rank: int, data_parallel_size: int) -> Path:
     """DP rank 0 writes ``out``; rank ``r`` > 0 writes ``<stem>.dp<r><suffix>`` beside it."""
     if data_parallel_size == 1 or data_parallel_rank == 0:
@@ -215,8 +183,8 @@ def _executable_config(args: argparse.Namespace) -> WorkerConfig:
     _warn_effective(config)
     if config.model.model is None:
         raise UsageError("--model is required: a diffusers pipeline directory")
-    if (reason := _unsupported_execution(config, args.command)) is not None:
-        raise UsageError(reason)
+    if errors := execution_errors(config):
+        raise UsageError("; ".join(errors))
 
     from dlo_worker.loader import ModelDirectoryError, check_model_directory
 

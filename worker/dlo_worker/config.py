@@ -505,6 +505,40 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def execution_errors(config: WorkerConfig) -> list[str]:
+    """What this worker release cannot execute although the options are valid (pure).
+
+    The configuration models the whole design (the operator validates against it), but
+    model-level CPU offload, standard layerwise offload, online quantization and the
+    models' SP/TP/HSDP execution are not implemented yet; ``generate``, ``serve`` and
+    the operator refuse them with these messages instead of failing later.
+    """
+    errors: list[str] = []
+    policy = config.effective().offload_policy
+    if policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD):
+        errors.append(
+            f"offload policy {policy} is not executed by this worker release; use "
+            "--enable-distributed-layerwise-offload or run resident"
+        )
+    if config.model.quantization != Quantization.NONE:
+        errors.append(
+            f"--quantization {config.model.quantization} is not executed by this worker "
+            "release; use --quantization none"
+        )
+    parallel = config.parallel
+    if (
+        parallel.sequence_parallel_size > 1
+        or parallel.tensor_parallel_size > 1
+        or parallel.use_hsdp
+    ):
+        errors.append(
+            "this worker release runs data parallel only (the models' sequence/tensor-parallel "
+            "execution and HSDP are not implemented); set --sequence-parallel-size and "
+            "--tensor-parallel-size to 1 and drop --use-hsdp"
+        )
+    return errors
+
+
 def build_config(values: dict[str, dict[str, Any]]) -> WorkerConfig:
     """Validate grouped option values into a :class:`WorkerConfig` or raise :class:`ConfigError`."""
     try:
