@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm.auto import tqdm
 
 from dlo_worker.loader.host_weight_plan import HostWeightPlan, HostWeightPlanError
 from dlo_worker.offload.config import OffloadConfig
@@ -379,7 +380,9 @@ class DistributedLayerwiseOffloadBackend:
                     self._shards
                 )
         self._arena = HostArena(numel_by_dtype, page_lock=self.device.type == "cuda")
-        for block in in_arena:
+        # Packing tens of GiB (read from disk on a cold page cache) takes a while: show it.
+        progress = tqdm(in_arena, desc="DLO host weights", unit="block", disable=len(in_arena) < 2)
+        for block in progress:
             for dtype, layout in block.layout.by_dtype.items():
                 target = self._arena.take(dtype, layout.shard_numel(self._shards))
                 block.host_source[dtype] = target
