@@ -111,7 +111,7 @@ def plan_wave(
     return chosen, Wave(slots=tuple(slots))
 
 
-@dataclass
+@dataclass(eq=False)
 class Submission:
     request: GenerationRequest
     future: Future[bytes] = field(default_factory=Future)
