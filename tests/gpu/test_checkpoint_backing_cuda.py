@@ -18,6 +18,7 @@ from dlo_worker.config import HostBacking
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
 VARIANTS = ("single", "sharded", "fused")
@@ -59,16 +60,8 @@ def test_rank_local_staging_on_cuda_is_bitwise_equal(variant, variants, resident
 
 
 def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected: str) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "NCCL_NVLS_ENABLE": "0",
-        }
-    )
+    join_world_as(rank, world_size, port)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
     config = worker_config(
         Path(model),
         dlo=True,

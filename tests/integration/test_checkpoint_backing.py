@@ -9,7 +9,6 @@ over two gloo processes (shards packed from the mapping, mapping then closed).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
 VARIANTS = ("single", "sharded", "fused")
@@ -142,15 +142,7 @@ def test_corrupt_checkpoints_are_clear_errors(variants, tmp_path: Path) -> None:
 
 
 def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected: str) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-        }
-    )
+    join_world_as(rank, world_size, port)
     torch.set_num_threads(1)
     config = worker_config(
         Path(model), dlo=True, allgather=True, parallel={"data_parallel_size": world_size}
@@ -230,15 +222,7 @@ def _sharing_rank(rank: int, world_size: int, port: int, model: str, out: str) -
 
     from dlo_worker.memory import mapped_file_memory
 
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-        }
-    )
+    join_world_as(rank, world_size, port)
     torch.set_num_threads(1)
     config = worker_config(Path(model), dlo=True, parallel={"data_parallel_size": world_size})
     with Worker(config) as worker:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.launch import rank_logs, torchrun_command
+
 STEPS = "4"
 # One thread everywhere: torchrun's default, and a fixed reduction order for the CPU kernels.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -63,33 +65,12 @@ def torchrun(
     command = generate_command(model, out, seed, *flags)
     command[command.index("--steps") + 1] = steps
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--log-dir",
-            str(log_dir),
-            "--redirects",
-            "3",
-            "-m",
-            "dlo_worker",
-            *command,
-        ],
+        torchrun_command(command, log_dir),
         env=ENV,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def rank_logs(log_dir: Path) -> dict[int, str]:
-    logs = {}
-    for path in log_dir.rglob("stderr.log"):
-        logs[int(path.parent.name)] = path.read_text()
-    return logs
 
 
 def assert_disable_before_teardown(log: str) -> None:

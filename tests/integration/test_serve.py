@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.launch import rank_logs, torchrun_command
 from tests.support.ports import free_port
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -127,10 +128,6 @@ def test_served_image_equals_the_generate_command(
     assert digest(out.read_bytes()) == resident_digests[5]
 
 
-def rank_logs(log_dir: Path) -> dict[int, str]:
-    return {int(path.parent.name): path.read_text() for path in log_dir.rglob("stderr.log")}
-
-
 def assert_in_order(log: str, *messages: str) -> None:
     positions = [log.index(f'msg="{message}"') for message in messages]
     assert positions == sorted(positions), list(zip(messages, positions, strict=True))
@@ -140,28 +137,15 @@ def test_allgather_engine_serves_resident_bytes_and_drains_on_sigterm(
     demo_model_dir: Path, tmp_path: Path, resident_digests: dict[int, str]
 ) -> None:
     port, log_dir = free_port(), tmp_path / "logs"
+    arguments = serve_command(
+        demo_model_dir,
+        port,
+        "--enable-distributed-layerwise-offload",
+        "--data-parallel-size",
+        "2",
+    )
     server = Server(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--log-dir",
-            str(log_dir),
-            "--redirects",
-            "3",
-            "-m",
-            "dlo_worker",
-            *serve_command(
-                demo_model_dir,
-                port,
-                "--enable-distributed-layerwise-offload",
-                "--data-parallel-size",
-                "2",
-            ),
-        ],
+        torchrun_command(arguments, log_dir),
         port,
     )
     try:

@@ -1,0 +1,44 @@
+"""Starting worker ranks the way torchrun does: its command line, its environment, its logs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def torchrun_command(arguments: list[str], log_dir: Path, processes: int = 2) -> list[str]:
+    """``dlo-worker <arguments>`` as ``processes`` torchrun ranks logging under ``log_dir``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "3",
+        "-m",
+        "dlo_worker",
+        *arguments,
+    ]
+
+
+def rank_logs(log_dir: Path) -> dict[int, str]:
+    """Each rank's stderr, by local rank, from a ``torchrun_command`` run."""
+    return {int(path.parent.name): path.read_text() for path in log_dir.rglob("stderr.log")}
+
+
+def join_world_as(rank: int, world_size: int, port: int) -> None:
+    """Set the launcher environment a worker rank reads (for ranks started by mp.spawn)."""
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
