@@ -7,6 +7,12 @@ COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY operator ./operator
 RUN pip install --no-cache-dir ".[worker]" && rm -rf /root/.cache
+# A non-root user (the operator renders runAsUser 65532 and mounts an emptyDir on $HOME,
+# since the root filesystem is read-only in its Pods).
+RUN groupadd --gid 65532 dlo \
+ && useradd --uid 65532 --gid 65532 --home-dir /home/dlo --create-home --shell /usr/sbin/nologin dlo
+ENV HOME=/home/dlo
+USER 65532:65532
 # The operator overrides the command with torchrun for multi-rank Pods; a single rank
 # runs the entrypoint directly.
 ENTRYPOINT ["dlo-worker", "serve"]

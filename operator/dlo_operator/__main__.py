@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> None:
 
     kopf.run(
         standalone=True,
-        namespaces=args.namespace or None,
+        # kopf wants a collection here even when cluster-wide (None crashes its
+        # namespace fallback); an empty one with clusterwide=True watches everything.
+        namespaces=args.namespace,
         clusterwide=not args.namespace,
         liveness_endpoint=args.liveness,
     )

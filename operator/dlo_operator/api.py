@@ -25,7 +25,7 @@ PLURAL = "diffusiondeployments"
 SINGULAR = "diffusiondeployment"
 SHORT_NAMES = ("dd",)
 
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 _ABSOLUTE_CLEAN_PATH = "self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')"
 
 
@@ -62,7 +62,8 @@ class LockedMemory(StrEnum):
     NONE = "None"
     """cudaHostRegister/cudaHostAlloc need no RLIMIT_MEMLOCK (ANCHORS.md); the default."""
     IPC_LOCK = "IpcLock"
-    """Add the IPC_LOCK capability to the worker container."""
+    """Add the IPC_LOCK capability; the worker then runs as root (capabilities added to a
+    non-root container are not effective: Kubernetes sets no ambient capabilities)."""
     NRI_ULIMIT = "NriUlimit"
     """Ask containerd's NRI ulimit adjuster for an unlimited memlock via a Pod annotation."""
 
@@ -155,13 +156,52 @@ class Offload(_Api):
 
 
 class Resources(_Api):
-    """Per-Pod resources besides GPUs (which come from gpusPerNode)."""
+    """Per-Pod CPU and memory (GPUs come from gpusPerNode).
 
-    cpu: Quantity | None = None
+    Every Pod gets a CPU request and a memory request equal to its limit: explicit
+    per-Pod values win, otherwise they are derived per rank (see the fields). No CPU
+    limit is set: CFS throttling would stall the pack threads and NCCL's proxy threads.
+    """
+
+    cpu: Quantity | None = Field(
+        default=None, description="CPU request per Pod (default: gpusPerNode x cpuPerRank)."
+    )
+    cpu_per_rank: Quantity = Field(
+        default="4", description="CPU request of one rank when `cpu` is not set."
+    )
     memory: Quantity | None = Field(
         default=None,
-        description="Memory limit per Pod; it must hold the pinned/registered host budget.",
+        description="Memory request and limit per Pod; it must hold the pinned budget and "
+        "/dev/shm (default: gpusPerNode x memoryPerRank + pinned budget + shmSize).",
     )
+    memory_per_rank: Quantity = Field(
+        default="16Gi",
+        description="Host memory of one rank besides the pinned budget and /dev/shm "
+        "(process, host weights, loading) when `memory` is not set.",
+    )
+
+
+class DisruptionBudget(_Api):
+    """How many engines voluntary disruptions (kubectl drain, evictions) may take down at once.
+
+    One PodDisruptionBudget covers the deployment. Evicting one Pod of a multi-Pod engine
+    stops that whole engine (the operator restarts it elsewhere), so the budget counts
+    engines, not Pods; Pods that are not Ready are always evictable.
+    """
+
+    max_unavailable_engines: int = Field(
+        default=1,
+        ge=0,
+        description="Engines that evictions may disrupt at the same time; 0 = healthy Pods "
+        "are never evicted (a drain waits until you delete them).",
+    )
+
+
+class NetworkPolicy(_Api):
+    """A NetworkPolicy per engine: its Pods talk freely to each other (NCCL, gloo and the
+    rendezvous use ephemeral ports); from anywhere else only the HTTP port is open."""
+
+    enabled: bool = Field(default=True, description="Render the per-engine NetworkPolicy.")
 
 
 class Scheduling(_Api):
@@ -202,6 +242,8 @@ class DiffusionDeploymentSpec(_Api):
         default=120, ge=0, description="Time for drain, DLO disable and process-group teardown."
     )
     locked_memory: LockedMemory = LockedMemory.NONE
+    disruption_budget: DisruptionBudget = DisruptionBudget()
+    network_policy: NetworkPolicy = NetworkPolicy()
 
 
 class Condition(_Api):
@@ -223,6 +265,8 @@ class EngineStatus(_Api):
 class DiffusionDeploymentStatus(_Api):
     replicas: int = 0
     ready_replicas: int = 0
+    updated_replicas: int = 0
+    """Engines whose Pods all run the current spec."""
     selector: str = ""
     observed_generation: int | None = None
     conditions: list[Condition] = []

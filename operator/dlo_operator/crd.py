@@ -128,6 +128,11 @@ def custom_resource_definition() -> dict[str, Any]:
                         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
                         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
                         {
+                            "name": "Up-to-date",
+                            "type": "integer",
+                            "jsonPath": ".status.updatedReplicas",
+                        },
+                        {
                             "name": "Available",
                             "type": "string",
                             "jsonPath": '.status.conditions[?(@.type=="Available")].status',

@@ -2,9 +2,10 @@
 
 Triggers: the DiffusionDeployment's create/resume/update, a 10 s timer, and any
 event of a child Pod (a failed or deleted rank restarts its engine promptly).
-I/O only: read the object and its Pods, call :func:`dlo_operator.reconcile.reconcile`,
-create and delete what it says (409/404 are success: another sync did it),
-patch status and post Events.
+I/O only: read the object, its Pods and its other children, call
+:func:`dlo_operator.reconcile.reconcile`, create, patch and delete what it says
+(409/404 are success: another sync did it), patch status and post the Events whose
+actions took effect. Passes over one deployment run one at a time.
 
 Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 """
@@ -12,10 +13,11 @@ Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import kopf
-from kubernetes import client, utils
+from kubernetes import client
 from kubernetes import config as kube_config
 from pydantic import ValidationError
 
@@ -26,7 +28,15 @@ from dlo_operator.api import (
     DiffusionDeploymentSpec,
     DiffusionDeploymentStatus,
 )
-from dlo_operator.reconcile import Actions, Event, ObservedPod, deletion_order, reconcile
+from dlo_operator.reconcile import (
+    Actions,
+    Event,
+    ObservedChild,
+    ObservedPod,
+    deletion_order,
+    invalid_spec_conditions,
+    reconcile,
+)
 from dlo_operator.render import LABEL_DEPLOYMENT, Owner
 
 ANNOTATION_PREFIX = GROUP
@@ -58,8 +68,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
 
 
-def _post(body: dict[str, Any], events: list[Event]) -> None:
+def _post(body: dict[str, Any], events: list[Event], changed: set[str]) -> None:
+    """Post the Events of this pass; one that reports actions only if one took effect."""
     for event in events:
+        if event.subjects and not changed.intersection(event.subjects):
+            continue
         kopf.event(
             body,
             type="Warning" if event.warning else "Normal",
@@ -68,24 +81,93 @@ def _post(body: dict[str, Any], events: list[Event]) -> None:
         )
 
 
-def _apply(namespace: str, actions: Actions) -> None:
+_CHILD_APIS: dict[str, tuple[type, str]] = {
+    "Service": (client.CoreV1Api, "namespaced_service"),
+    "PodDisruptionBudget": (client.PolicyV1Api, "namespaced_pod_disruption_budget"),
+    "NetworkPolicy": (client.NetworkingV1Api, "namespaced_network_policy"),
+}
+"""Every kind of child besides Pods: its API class and method suffix."""
+
+
+def _child_call(kind: str, verb: str) -> Any:
+    api_class, suffix = _CHILD_APIS[kind]
+    return getattr(api_class(api()), f"{verb}_{suffix}")
+
+
+def _observe_children(name: str, namespace: str) -> list[ObservedChild]:
+    label_selector = f"{LABEL_DEPLOYMENT}={name}"
+    return [
+        ObservedChild.from_manifest(kind, api().sanitize_for_serialization(item))
+        for kind in _CHILD_APIS
+        for item in _child_call(kind, "list")(namespace, label_selector=label_selector).items
+    ]
+
+
+def _unless(error: client.ApiException, status: int) -> None:
+    """Re-raise ``error`` unless it is ``status``: 409 on create and 404 on delete mean
+    another pass (or the garbage collector) already did it."""
+    if error.status != status:
+        raise error
+
+
+def _apply(namespace: str, actions: Actions) -> set[str]:
+    """Carry out the actions; returns the names of the Pods this call created or deleted."""
     core = client.CoreV1Api(api())
-    for item in actions.create:
+    changed: set[str] = set()
+    for item in actions.apply_children:
+        name, kind = item["metadata"]["name"], item["kind"]
         try:
-            utils.create_from_dict(api(), item, namespace=namespace)
-        except utils.FailToCreateError as failure:
-            if any(error.status != 409 for error in failure.api_exceptions):
-                raise
+            _child_call(kind, "create")(namespace, item)
+        except client.ApiException as error:
+            _unless(error, 409)
+            _child_call(kind, "patch")(
+                name, namespace, item, _content_type="application/merge-patch+json"
+            )
+    for kind, name in actions.delete_children:
+        try:
+            _child_call(kind, "delete")(name, namespace)
+        except client.ApiException as error:
+            _unless(error, 404)
+    for pod in actions.create_pods:
+        try:
+            core.create_namespaced_pod(namespace, pod)
+            changed.add(pod["metadata"]["name"])
+        except client.ApiException as error:
+            _unless(error, 409)
     for name in actions.delete_pods:
         try:
             core.delete_namespaced_pod(name, namespace)
+            changed.add(name)
         except client.ApiException as error:
-            if error.status != 404:
-                raise
+            _unless(error, 404)
+    return changed
+
+
+_locks_guard = threading.Lock()
+_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    """kopf runs the resource's handlers and the Pod handler concurrently; passes over
+    one deployment must not, or two would both see an engine missing and create it."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def _patch_status(namespace: str, name: str, status: DiffusionDeploymentStatus) -> None:
+    body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": body}
+    )
 
 
 def sync(name: str, namespace: str) -> None:
     """Bring one DiffusionDeployment's children and status in line with its spec."""
+    with _lock(namespace, name):
+        _sync(name, namespace)
+
+
+def _sync(name: str, namespace: str) -> None:
     objects = client.CustomObjectsApi(api())
     try:
         body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
@@ -98,11 +180,20 @@ def sync(name: str, namespace: str) -> None:
         return
     generation = metadata.get("generation", 0)
     try:
-        spec = DiffusionDeploymentSpec.model_validate(body["spec"])
         previous = DiffusionDeploymentStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        previous = DiffusionDeploymentStatus()
+    try:
+        spec = DiffusionDeploymentSpec.model_validate(body["spec"])
     except ValidationError as error:
         message = f"spec does not match the API models: {error.errors()[0]['msg']}"
-        _post(body, [Event("InvalidSpec", message, warning=True)])
+        conditions, events = invalid_spec_conditions(previous, generation, message)
+        _patch_status(
+            namespace,
+            name,
+            DiffusionDeploymentStatus(observed_generation=generation, conditions=conditions),
+        )
+        _post(body, events, set())
         return
     pods = (
         client.CoreV1Api(api())
@@ -111,13 +202,11 @@ def sync(name: str, namespace: str) -> None:
     )
     observed = [ObservedPod.from_manifest(api().sanitize_for_serialization(p)) for p in pods]
     owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
-    actions = reconcile(owner, spec, generation, observed, previous)
-    _apply(namespace, actions)
-    status = actions.status.model_dump(mode="json", by_alias=True, exclude_none=True)
-    objects.patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": status}
-    )
-    _post(body, actions.events)
+    children = _observe_children(name, namespace)
+    actions = reconcile(owner, spec, generation, observed, previous, children=children)
+    changed = _apply(namespace, actions)
+    _patch_status(namespace, name, actions.status)
+    _post(body, actions.events, changed)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -1,10 +1,16 @@
 """Desired vs observed -> actions and status (pure; the kopf handlers only apply the result).
 
 Engines are the unit of every action, as in LeaderWorkerSet: a collective cannot
-survive a lost rank, so a failed or missing Pod restarts its whole engine, a spec
-change replaces engines one at a time (only while every other engine is ready),
-and scaling adds or removes whole engines, highest index first. Pods are deleted
-ranks > 0 before rank 0 so the leader outlives its workers.
+survive a lost rank, so a failed, evicted or missing Pod restarts its whole engine,
+a spec change replaces engines one at a time (only while every other engine is
+ready), and scaling adds or removes whole engines, highest index first. Pods are
+deleted ranks > 0 before rank 0 so the leader outlives its workers.
+
+:func:`reconcile` is a chain of named steps over one :class:`_Pass`; each step adds
+actions and the Events that report them. An Event that reports actions names them
+(``subjects``) and is posted only if one of them took effect, so a retried or
+concurrent pass never reports the same change twice; an Event that reports a
+condition is emitted only when that condition changes.
 """
 
 from __future__ import annotations
@@ -22,14 +28,15 @@ from dlo_operator.api import (
     EngineStatus,
 )
 from dlo_operator.render import (
+    ANNOTATION_CONFIG_HASH,
     ANNOTATION_SPEC_HASH,
     LABEL_ENGINE,
     LABEL_NODE_RANK,
     Owner,
     pod_name,
     pods_per_engine,
-    render_client_service,
-    render_engine,
+    render_children,
+    render_engine_pods,
     selector,
     spec_hash,
 )
@@ -75,20 +82,42 @@ class ObservedPod:
 
 
 @dataclass(frozen=True)
+class ObservedChild:
+    """A Service, PodDisruptionBudget or NetworkPolicy labelled with the deployment."""
+
+    kind: str
+    name: str
+    config_hash: str
+
+    @classmethod
+    def from_manifest(cls, kind: str, item: Mapping[str, Any]) -> ObservedChild:
+        metadata = item["metadata"]
+        annotations = metadata.get("annotations") or {}
+        return cls(kind, metadata["name"], annotations.get(ANNOTATION_CONFIG_HASH, ""))
+
+
+@dataclass(frozen=True)
 class Event:
     reason: str
     message: str
     warning: bool = False
+    subjects: tuple[str, ...] = ()
+    """Pods (by name) whose creation or deletion this Event reports; empty for an Event
+    that reports a condition. Posted only if one of them actually changed."""
 
 
 @dataclass
 class Actions:
     """What to do now; the next reconcile (triggered by the changes) continues from there."""
 
-    create: list[dict[str, Any]] = field(default_factory=list)
-    """Objects to create (an existing one is left as it is)."""
+    create_pods: list[dict[str, Any]] = field(default_factory=list)
+    """Pods to create (one that exists already is left as it is)."""
     delete_pods: list[str] = field(default_factory=list)
     """Pod names in deletion order."""
+    apply_children: list[dict[str, Any]] = field(default_factory=list)
+    """Other children to create, or to patch to this rendering where they exist."""
+    delete_children: list[tuple[str, str]] = field(default_factory=list)
+    """(kind, name) of children no longer rendered (scaled-down engines, disabled policies)."""
     status: DiffusionDeploymentStatus = field(default_factory=DiffusionDeploymentStatus)
     events: list[Event] = field(default_factory=list)
 
@@ -120,6 +149,14 @@ def _condition(
     )
 
 
+def became(previous: Mapping[str, Condition], current: Condition) -> bool:
+    """``current`` is True and was not, or says something new: worth one Event."""
+    earlier = previous.get(current.type)
+    return current.status == "True" and (
+        earlier is None or earlier.status != "True" or earlier.message != current.message
+    )
+
+
 def deletion_order(pods: Iterable[ObservedPod]) -> list[str]:
     """Ranks > 0 first, rank 0 (the leader) last; engines highest first."""
     ordered = sorted(pods, key=lambda pod: (-pod.engine, pod.node_rank == 0, -pod.node_rank))
@@ -148,151 +185,257 @@ def _lost_a_rank(live: list[ObservedPod], expected: int) -> bool:
     return len(live) < expected and any(pod.phase == "Running" for pod in live)
 
 
+@dataclass
+class _Pass:
+    """One reconcile pass: the inputs, the engines' phases, and the actions so far."""
+
+    owner: Owner
+    spec: DiffusionDeploymentSpec
+    generation: int
+    pods: list[ObservedPod]
+    previous: DiffusionDeploymentStatus
+    actions: Actions = field(default_factory=Actions)
+    phases: dict[int, EnginePhase] = field(default_factory=dict)
+    restarts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def prior_conditions(self) -> dict[str, Condition]:
+        return {c.type: c for c in self.previous.conditions}
+
+    def engine_pods(self, engine: int) -> list[ObservedPod]:
+        return [pod for pod in self.pods if pod.engine == engine]
+
+    def condition(self, kind: str, *, true: bool, reason: str, message: str) -> Condition:
+        return _condition(
+            self.prior_conditions,
+            kind,
+            true=true,
+            reason=reason,
+            message=message,
+            generation=self.generation,
+        )
+
+    def delete(self, pods: Iterable[ObservedPod], event: Event) -> None:
+        names = deletion_order(pods)
+        if names:
+            self.actions.delete_pods += names
+            self.actions.events.append(
+                Event(event.reason, event.message, event.warning, tuple(names))
+            )
+
+
 def reconcile(
     owner: Owner,
     spec: DiffusionDeploymentSpec,
     generation: int,
     pods: Iterable[ObservedPod],
     previous: DiffusionDeploymentStatus,
+    *,
+    children: Iterable[ObservedChild] = (),
 ) -> Actions:
     """The actions that move the children towards ``spec``, and the status to report."""
-    actions = Actions()
-    prior_conditions = {c.type: c for c in previous.conditions}
-    prior_restarts = {engine.index: engine.restarts for engine in previous.engines}
-    pods = list(pods)
-    base_status = {"selector": selector(owner), "observed_generation": generation}
-
+    state = _Pass(owner, spec, generation, list(pods), previous)
     try:
         validate(spec)
     except InvalidSpecError as error:
-        actions.events.append(Event("InvalidSpec", str(error), warning=True))
-        actions.status = DiffusionDeploymentStatus(
-            **base_status,
-            conditions=[
-                _condition(
-                    prior_conditions,
-                    "InvalidSpec",
-                    true=True,
-                    reason="WorkerConfigRejected",
-                    message=str(error),
-                    generation=generation,
-                ),
-                _condition(
-                    prior_conditions,
-                    "Available",
-                    true=False,
-                    reason="InvalidSpec",
-                    message="the spec cannot run; see InvalidSpec",
-                    generation=generation,
-                ),
-            ],
-        )
-        return actions
+        _report_invalid(state, str(error))
+        return state.actions
+    _judge_engines(state)
+    _scale_down(state)
+    _restart_failed_engines(state)
+    _create_missing_pods(state)
+    _roll_one_engine(state)
+    _sync_children(state, list(children))
+    _report_status(state)
+    return state.actions
 
+
+def invalid_spec_conditions(
+    previous: DiffusionDeploymentStatus, generation: int, message: str
+) -> tuple[list[Condition], list[Event]]:
+    """InvalidSpec True (and Available False), with an Event only when that is news."""
+    prior = {c.type: c for c in previous.conditions}
+    invalid = _condition(
+        prior,
+        "InvalidSpec",
+        true=True,
+        reason="WorkerConfigRejected",
+        message=message,
+        generation=generation,
+    )
+    available = _condition(
+        prior,
+        "Available",
+        true=False,
+        reason="InvalidSpec",
+        message="the spec cannot run; see InvalidSpec",
+        generation=generation,
+    )
+    events = [Event("InvalidSpec", message, warning=True)] if became(prior, invalid) else []
+    return [invalid, available], events
+
+
+def _report_invalid(state: _Pass, message: str) -> None:
+    conditions, events = invalid_spec_conditions(state.previous, state.generation, message)
+    state.actions.events += events
+    state.actions.status = DiffusionDeploymentStatus(
+        selector=selector(state.owner),
+        observed_generation=state.generation,
+        conditions=conditions,
+    )
+
+
+def _judge_engines(state: _Pass) -> None:
+    expected, current_hash = pods_per_engine(state.spec), spec_hash(state.spec)
+    prior_restarts = {engine.index: engine.restarts for engine in state.previous.engines}
+    for engine in range(state.spec.replicas):
+        state.phases[engine] = _engine_phase(state.engine_pods(engine), expected, current_hash)
+        state.restarts[engine] = prior_restarts.get(engine, 0)
+
+
+def _scale_down(state: _Pass) -> None:
+    """Whole engines above the desired count, highest first."""
+    surplus = [pod for pod in state.pods if pod.engine >= state.spec.replicas]
+    engines = sorted({pod.engine for pod in surplus if not pod.terminating}, reverse=True)
+    state.delete(surplus, Event("ScaledDown", f"removing engines {engines}"))
+
+
+def _restart_failed_engines(state: _Pass) -> None:
+    """A failed, evicted or lost rank takes its whole engine down; it is then recreated."""
+    expected = pods_per_engine(state.spec)
+    for engine, phase in state.phases.items():
+        if phase != EnginePhase.FAILED:
+            continue
+        restart = state.restarts[engine] + 1
+        before = len(state.actions.delete_pods)
+        state.delete(
+            state.engine_pods(engine),
+            Event(
+                "EngineRestart",
+                f"engine {engine} lost a rank; restarting all {expected} Pods (restart {restart})",
+                warning=True,
+            ),
+        )
+        if len(state.actions.delete_pods) > before:
+            state.restarts[engine] = restart
+
+
+def _create_missing_pods(state: _Pass) -> None:
+    """New engines, and engines whose creation was interrupted, get their missing Pods."""
+    for engine, phase in state.phases.items():
+        if phase in (EnginePhase.FAILED, EnginePhase.UPDATING):
+            continue
+        present = {pod.name for pod in state.engine_pods(engine)}
+        live = [pod for pod in state.engine_pods(engine) if not pod.terminating]
+        if present and not live:
+            continue  # the old Pods are still terminating; create once they are gone
+        missing = [
+            pod
+            for pod in render_engine_pods(state.owner, state.spec, engine)
+            if pod["metadata"]["name"] not in present
+        ]
+        if not missing:
+            continue
+        names = tuple(pod["metadata"]["name"] for pod in missing)
+        state.actions.create_pods += missing
+        verb = "creating" if not present else "completing"
+        state.actions.events.append(Event("EngineCreated", f"{verb} engine {engine}", False, names))
+
+
+def _roll_one_engine(state: _Pass) -> None:
+    """Replace one outdated engine, and only while all others are Ready."""
+    outdated = [e for e, phase in state.phases.items() if phase == EnginePhase.UPDATING]
+    others_ready = all(
+        phase == EnginePhase.READY for e, phase in state.phases.items() if e not in outdated
+    )
+    if outdated and others_ready and not any(p.terminating for p in state.pods):
+        engine = outdated[0]
+        state.delete(
+            state.engine_pods(engine),
+            Event("EngineUpdate", f"replacing engine {engine} with the new spec"),
+        )
+
+
+def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
+    """Create or patch every rendered child whose hash differs; delete the unrendered."""
+    desired = render_children(state.owner, state.spec)
+    current = {(child.kind, child.name): child.config_hash for child in observed}
+    wanted = set()
+    for item in desired:
+        key = (item["kind"], item["metadata"]["name"])
+        wanted.add(key)
+        if current.get(key) != item["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]:
+            state.actions.apply_children.append(item)
+    state.actions.delete_children += sorted(key for key in current if key not in wanted)
+
+
+def _report_status(state: _Pass) -> None:
+    spec, phases = state.spec, state.phases
     expected = pods_per_engine(spec)
     current_hash = spec_hash(spec)
-    by_engine: dict[int, list[ObservedPod]] = {}
-    for pod in pods:
-        by_engine.setdefault(pod.engine, []).append(pod)
-
-    # Scale down: whole engines above the desired count, highest first.
-    surplus = [pod for pod in pods if pod.engine >= spec.replicas]
-    if surplus:
-        actions.delete_pods += deletion_order(surplus)
-        engines = sorted({pod.engine for pod in surplus}, reverse=True)
-        actions.events.append(Event("ScaledDown", f"removing engines {engines}"))
-
-    phases: dict[int, EnginePhase] = {}
-    restarts: dict[int, int] = {}
-    for engine in range(spec.replicas):
-        engine_pods = by_engine.get(engine, [])
-        phase = _engine_phase(engine_pods, expected, current_hash)
-        phases[engine] = phase
-        restarts[engine] = prior_restarts.get(engine, 0)
-        live = [pod for pod in engine_pods if not pod.terminating]
-        if phase == EnginePhase.FAILED:
-            actions.delete_pods += deletion_order(live)
-            restarts[engine] += 1
-            actions.events.append(
-                Event(
-                    "EngineRestart",
-                    f"engine {engine} lost a rank; restarting all "
-                    f"{expected} Pods (restart {restarts[engine]})",
-                    warning=True,
-                )
-            )
-        elif not engine_pods:
-            actions.create += render_engine(owner, spec, engine)
-            actions.events.append(Event("EngineCreated", f"creating engine {engine}"))
-        elif live and len(live) < expected and phase != EnginePhase.UPDATING:
-            # Partially created (an earlier reconcile was interrupted): finish it.
-            present = {pod.name for pod in engine_pods}
-            actions.create += [
-                item
-                for item in render_engine(owner, spec, engine)
-                if item["kind"] != "Pod" or item["metadata"]["name"] not in present
-            ]
-
-    # Rolling update: replace one outdated engine, and only while all others are Ready.
-    outdated = [e for e, phase in phases.items() if phase == EnginePhase.UPDATING]
-    others_ready = all(
-        phase == EnginePhase.READY for e, phase in phases.items() if e not in outdated
-    )
-    if outdated and others_ready and not any(p.terminating for p in pods):
-        engine = outdated[0]
-        actions.delete_pods += deletion_order(by_engine[engine])
-        actions.events.append(Event("EngineUpdate", f"replacing engine {engine} with the new spec"))
-    actions.create.append(render_client_service(owner, spec))
-
     ready = sum(phase == EnginePhase.READY for phase in phases.values())
-    progressing = ready < spec.replicas or bool(outdated) or bool(surplus)
+    updated = sum(
+        1
+        for engine in range(spec.replicas)
+        if (live := [p for p in state.engine_pods(engine) if not p.terminating])
+        and all(pod.spec_hash == current_hash for pod in live)
+    )
+    outdated = sum(phase == EnginePhase.UPDATING for phase in phases.values())
+    surplus = any(pod.engine >= spec.replicas for pod in state.pods)
+    progressing = ready < spec.replicas or bool(outdated) or surplus
     degraded = any(phase == EnginePhase.FAILED for phase in phases.values())
-    actions.status = DiffusionDeploymentStatus(
-        **base_status,
+    prior = state.prior_conditions
+    was_rolling = "UpdateInProgress" in prior and prior["UpdateInProgress"].status == "True"
+    # A roll lasts until every engine runs the current spec and is Ready again.
+    stale = any(p.spec_hash != current_hash for p in state.pods if p.engine < spec.replicas)
+    rolling = stale or (was_rolling and ready < spec.replicas)
+    conditions = [
+        state.condition(
+            "Available",
+            true=ready >= spec.replicas,
+            reason="AllEnginesReady" if ready >= spec.replicas else "EnginesNotReady",
+            message=f"{ready}/{spec.replicas} engines ready",
+        ),
+        state.condition(
+            "Progressing",
+            true=progressing,
+            reason="Reconciling" if progressing else "Stable",
+            message=f"{outdated} engine(s) to update",
+        ),
+        state.condition(
+            "Degraded",
+            true=degraded,
+            reason="EngineRestarting" if degraded else "Healthy",
+            message="an engine lost a rank" if degraded else "",
+        ),
+        state.condition(
+            "UpdateInProgress",
+            true=rolling,
+            reason="RollingUpdate" if rolling else "UpToDate",
+            message=f"{updated}/{spec.replicas} engines run the current spec",
+        ),
+        state.condition("InvalidSpec", true=False, reason="Valid", message=""),
+    ]
+    if rolling and not was_rolling:
+        state.actions.events.append(Event("RollingUpdate", "replacing engines one at a time"))
+    elif was_rolling and not rolling:
+        state.actions.events.append(
+            Event("RollingUpdateComplete", f"all {spec.replicas} engines run the current spec")
+        )
+    state.actions.status = DiffusionDeploymentStatus(
+        selector=selector(state.owner),
+        observed_generation=state.generation,
         replicas=spec.replicas,
         ready_replicas=ready,
+        updated_replicas=updated,
         engines=[
             EngineStatus(
                 index=engine,
                 phase=phases[engine],
-                pods=[pod_name(owner, engine, node) for node in range(expected)],
-                restarts=restarts[engine],
+                pods=[pod_name(state.owner, engine, node) for node in range(expected)],
+                restarts=state.restarts[engine],
             )
             for engine in range(spec.replicas)
         ],
-        conditions=[
-            _condition(
-                prior_conditions,
-                "Available",
-                true=ready >= spec.replicas,
-                reason="AllEnginesReady" if ready >= spec.replicas else "EnginesNotReady",
-                message=f"{ready}/{spec.replicas} engines ready",
-                generation=generation,
-            ),
-            _condition(
-                prior_conditions,
-                "Progressing",
-                true=progressing,
-                reason="Reconciling" if progressing else "Stable",
-                message=f"{len(outdated)} engine(s) to update",
-                generation=generation,
-            ),
-            _condition(
-                prior_conditions,
-                "Degraded",
-                true=degraded,
-                reason="EngineRestarting" if degraded else "Healthy",
-                message="an engine lost a rank" if degraded else "",
-                generation=generation,
-            ),
-            _condition(
-                prior_conditions,
-                "InvalidSpec",
-                true=False,
-                reason="Valid",
-                message="",
-                generation=generation,
-            ),
-        ],
+        conditions=conditions,
     )
-    return actions

@@ -5,7 +5,13 @@ One engine is one torch.distributed world of ``data x sequence x tensor`` ranks 
 Each Pod runs torchrun with ``gpusPerNode`` ranks of ``dlo-worker serve``; node 0
 of every engine is the leader that serves requests. Per engine: a headless Service
 (publishNotReadyAddresses, so ranks find node 0 while nothing is ready yet) and a
-PodDisruptionBudget; per deployment: a client Service selecting the leaders.
+NetworkPolicy; per deployment: a client Service selecting the leaders and one
+PodDisruptionBudget counted in engines.
+
+Worker Pods are hardened like the operator's own Deployment: a non-root user, no
+capabilities, no privilege escalation, the runtime's default seccomp profile, a
+read-only root filesystem with emptyDirs for what the worker writes, and no
+ServiceAccount token (workers never call the Kubernetes API).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
+
+from kubernetes.utils import parse_quantity
 
 from dlo_operator.api import (
     GROUP,
@@ -35,6 +43,8 @@ LABEL_ENGINE = f"{GROUP}/engine"
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
 LABEL_ROLE = f"{GROUP}/role"
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+"""On every child but Pods: a hash of the rendered object, so a changed rendering is patched."""
 ROLE_LEADER, ROLE_WORKER = "leader", "worker"
 
 CONTAINER = "worker"
@@ -44,6 +54,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 NRI_ULIMIT_ANNOTATION = f"ulimits.nri.containerd.io/container.{CONTAINER}"
 STARTUP_BUDGET_S = 3600
 """Loading and pinning a large DiT can take tens of minutes; liveness starts after it."""
+
+WORKER_UID = 65532
+"""The worker image's non-root user and group (``docker/worker.Dockerfile``)."""
+WORKER_HOME = "/home/dlo"
+"""An emptyDir: torch, Triton and Hugging Face write their caches under $HOME."""
+INIT_CONTAINER_RUNTIME_CACHE = "runtime-cache-owner"
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,7 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         # torchrun SIGKILLs its ranks this long after forwarding SIGTERM (torch >= 2.12 reads
         # it; older releases use a fixed 30 s): the drain may use the Pod's grace period.
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(torchrun_shutdown_timeout(spec)),
+        "HOME": WORKER_HOME,
     }
     return [{"name": key, "value": value} for key, value in values.items()]
 
@@ -155,9 +172,17 @@ def torchrun_shutdown_timeout(spec: DiffusionDeploymentSpec) -> int:
 
 def _volumes(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[dict]]:
     volumes: list[dict] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
+        # The root filesystem is read-only: torchrun's error files and Python's temporary
+        # files go to /tmp, compile and download caches to $HOME.
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
     ]
-    mounts: list[dict] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "home", "mountPath": WORKER_HOME},
+    ]
     model = spec.model
     if model.host_path:
         volumes.append(
@@ -187,17 +212,31 @@ def _volumes(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+def _cpu_quantity(value: Decimal) -> str:
+    millicores = int((value * 1000).to_integral_value(ROUND_CEILING))
+    return str(millicores // 1000) if millicores % 1000 == 0 else f"{millicores}m"
+
+
+def derived_memory_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
+    """Per-Pod memory when ``resources.memory`` is unset: the ranks plus the floor."""
+    per_rank = parse_quantity(spec.resources.memory_per_rank)
+    return per_rank * spec.gpus_per_node + memory_floor_bytes(spec)
+
+
 def _resources(spec: DiffusionDeploymentSpec) -> dict[str, dict[str, str]]:
+    """GPUs, a CPU request, and memory requested and limited alike (Guaranteed memory).
+
+    No CPU limit: throttling would stall the pack threads and NCCL's proxy threads.
+    """
     gpus = str(spec.gpus_per_node)
-    limits: dict[str, str] = {GPU_RESOURCE: gpus}
-    requests: dict[str, str] = {GPU_RESOURCE: gpus}
-    memory = spec.resources.memory or _gib_quantity(memory_floor_bytes(spec))
-    requests["memory"] = memory
-    if spec.resources.memory:
-        limits["memory"] = memory
-    if spec.resources.cpu:
-        requests["cpu"] = limits["cpu"] = spec.resources.cpu
-    return {"requests": requests, "limits": limits}
+    cpu = spec.resources.cpu or _cpu_quantity(
+        parse_quantity(spec.resources.cpu_per_rank) * spec.gpus_per_node
+    )
+    memory = spec.resources.memory or _gib_quantity(derived_memory_bytes(spec))
+    return {
+        "requests": {GPU_RESOURCE: gpus, "cpu": cpu, "memory": memory},
+        "limits": {GPU_RESOURCE: gpus, "memory": memory},
+    }
 
 
 def _probes(spec: DiffusionDeploymentSpec) -> dict[str, dict]:
@@ -231,6 +270,60 @@ def _affinity(owner: Owner, spec: DiffusionDeploymentSpec, engine: int) -> dict[
     return affinity
 
 
+def _security_contexts(spec: DiffusionDeploymentSpec) -> tuple[dict, dict]:
+    """(Pod, worker container) security contexts.
+
+    ``IpcLock`` runs the worker as root with IPC_LOCK as its only capability: a
+    capability added to a non-root container lands in the bounding set only and is
+    never effective (Kubernetes sets no ambient capabilities), so mlock would still
+    be refused. ``NriUlimit`` raises the memlock limit instead and keeps the non-root user.
+    """
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": WORKER_UID,
+        "runAsGroup": WORKER_UID,
+        "fsGroup": WORKER_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    if spec.locked_memory == LockedMemory.IPC_LOCK:
+        container["capabilities"]["add"] = ["IPC_LOCK"]
+        container.update(runAsNonRoot=False, runAsUser=0)
+    return pod, container
+
+
+def _runtime_cache_owner(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
+    """Hands the node's cache directory to the worker user.
+
+    The kubelet creates a missing hostPath directory as root with mode 0755, and fsGroup
+    does not apply to hostPath volumes. This step runs as root with CHOWN as its only
+    capability and changes the owner of that one directory (entries below it are written
+    by the worker user).
+    """
+    return {
+        "name": INIT_CONTAINER_RUNTIME_CACHE,
+        "image": spec.worker.image,
+        "imagePullPolicy": spec.worker.image_pull_policy.value,
+        "command": ["chown", f"{WORKER_UID}:{WORKER_UID}", RUNTIME_CACHE_MOUNT_PATH],
+        "securityContext": {
+            "runAsNonRoot": False,
+            "runAsUser": 0,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "32Mi"},
+            "limits": {"cpu": "100m", "memory": "32Mi"},
+        },
+        "volumeMounts": [{"name": "runtime-cache", "mountPath": RUNTIME_CACHE_MOUNT_PATH}],
+    }
+
+
 def render_pod(
     owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int
 ) -> dict[str, Any]:
@@ -240,6 +333,7 @@ def render_pod(
         LABEL_ROLE: ROLE_LEADER if node == 0 else ROLE_WORKER,
     }
     annotations = {ANNOTATION_SPEC_HASH: spec_hash(spec)}
+    pod_security, container_security = _security_contexts(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": spec.worker.image,
@@ -251,13 +345,12 @@ def render_pod(
             {"name": "rendezvous", "containerPort": MASTER_PORT},
         ],
         "resources": _resources(spec),
+        "securityContext": container_security,
         **_probes(spec),
     }
     volumes, mounts = _volumes(spec)
     container["volumeMounts"] = mounts
-    if spec.locked_memory == LockedMemory.IPC_LOCK:
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
-    elif spec.locked_memory == LockedMemory.NRI_ULIMIT:
+    if spec.locked_memory == LockedMemory.NRI_ULIMIT:
         limit = int(memory_floor_bytes(spec))
         annotations[NRI_ULIMIT_ANNOTATION] = (
             f"- type: RLIMIT_MEMLOCK\n  soft: {limit}\n  hard: {limit}\n"
@@ -267,10 +360,16 @@ def render_pod(
         "subdomain": engine_service_name(owner, engine),
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
+        "automountServiceAccountToken": False,
+        # Service links would add <SERVICE>_PORT variables next to torch's own environment.
+        "enableServiceLinks": False,
+        "securityContext": pod_security,
         "containers": [container],
         "volumes": volumes,
         "affinity": _affinity(owner, spec, engine),
     }
+    if any(volume["name"] == "runtime-cache" for volume in volumes):
+        pod_spec["initContainers"] = [_runtime_cache_owner(spec)]
     if spec.scheduling.node_selector:
         pod_spec["nodeSelector"] = dict(spec.scheduling.node_selector)
     if spec.scheduling.tolerations:
@@ -281,6 +380,12 @@ def render_pod(
         "metadata": _metadata(owner, pod_name(owner, engine, node), labels, annotations),
         "spec": pod_spec,
     }
+
+
+def _with_config_hash(item: dict[str, Any]) -> dict[str, Any]:
+    digest = hashlib.sha256(json.dumps(item, sort_keys=True).encode()).hexdigest()[:16]
+    item["metadata"].setdefault("annotations", {})[ANNOTATION_CONFIG_HASH] = digest
+    return item
 
 
 def render_engine_service(owner: Owner, engine: int) -> dict[str, Any]:
@@ -298,16 +403,52 @@ def render_engine_service(owner: Owner, engine: int) -> dict[str, Any]:
     }
 
 
-def render_engine_budget(
-    owner: Owner, spec: DiffusionDeploymentSpec, engine: int
-) -> dict[str, Any]:
-    """No voluntary eviction of any Pod of a running engine: one lost rank stops all."""
-    labels = _engine_labels(owner, engine)
+def budget_min_available(spec: DiffusionDeploymentSpec) -> int:
+    """Ready Pods the deployment keeps during voluntary disruptions.
+
+    All Pods less ``maxUnavailableEngines``: an eviction is allowed only while fewer
+    Pods than that are unready, and every disrupted engine has at least one unready
+    Pod, so at most that many engines go down through evictions, however many Pods
+    an engine has. The evicted engine's other Pods are deleted by the operator (not
+    evicted), and further evictions wait until it is Ready again.
+    """
+    total = spec.replicas * pods_per_engine(spec)
+    return max(total - spec.disruption_budget.max_unavailable_engines, 0)
+
+
+def render_budget(owner: Owner, spec: DiffusionDeploymentSpec) -> dict[str, Any]:
+    """One PodDisruptionBudget for the whole deployment, counted in engines."""
+    labels = {LABEL_DEPLOYMENT: owner.name}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, owner.name, labels),
+        "spec": {
+            "minAvailable": budget_min_available(spec),
+            "selector": {"matchLabels": labels},
+            # A Pod stuck loading or crashing never blocks a drain.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render_network_policy(
+    owner: Owner, spec: DiffusionDeploymentSpec, engine: int
+) -> dict[str, Any]:
+    """All traffic among one engine's Pods; the HTTP port from anywhere; egress untouched."""
+    labels = _engine_labels(owner, engine)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
         "metadata": _metadata(owner, engine_service_name(owner, engine), labels),
-        "spec": {"minAvailable": pods_per_engine(spec), "selector": {"matchLabels": labels}},
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": labels}}]},
+                {"ports": [{"protocol": "TCP", "port": spec.port}]},
+            ],
+        },
     }
 
 
@@ -324,7 +465,20 @@ def render_client_service(owner: Owner, spec: DiffusionDeploymentSpec) -> dict[s
     }
 
 
-def render_engine(owner: Owner, spec: DiffusionDeploymentSpec, engine: int) -> list[dict]:
-    """Every object of one engine: its Pods, headless Service and PodDisruptionBudget."""
-    pods = [render_pod(owner, spec, engine, node) for node in range(pods_per_engine(spec))]
-    return [*pods, render_engine_service(owner, engine), render_engine_budget(owner, spec, engine)]
+def render_engine_pods(owner: Owner, spec: DiffusionDeploymentSpec, engine: int) -> list[dict]:
+    return [render_pod(owner, spec, engine, node) for node in range(pods_per_engine(spec))]
+
+
+def render_children(owner: Owner, spec: DiffusionDeploymentSpec) -> list[dict]:
+    """Every object besides Pods, each annotated with the hash of its rendering.
+
+    The client Service and the budget; per engine a headless Service and, unless
+    disabled, a NetworkPolicy. Objects of engines beyond ``replicas`` are not here, so
+    scaling down removes them.
+    """
+    items = [render_client_service(owner, spec), render_budget(owner, spec)]
+    for engine in range(spec.replicas):
+        items.append(render_engine_service(owner, engine))
+        if spec.network_policy.enabled:
+            items.append(render_network_policy(owner, spec, engine))
+    return [_with_config_hash(item) for item in items]

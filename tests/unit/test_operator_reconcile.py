@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any
 
 from dlo_operator.api import DiffusionDeploymentSpec, DiffusionDeploymentStatus
-from dlo_operator.reconcile import EnginePhase, ObservedPod, reconcile
-from dlo_operator.render import Owner, render_engine, spec_hash
+from dlo_operator.reconcile import EnginePhase, ObservedChild, ObservedPod, reconcile
+from dlo_operator.render import Owner, render_children, render_engine_pods, spec_hash
 from tests.support.deployments import deployment_spec
 
 OWNER = Owner(name="flux", namespace="serving", uid="1234")
@@ -30,9 +30,7 @@ def running(
     """Observed Pods as the API server would report them for the rendered engines."""
     pods = []
     for engine in engines:
-        for item in render_engine(OWNER, hash_of or desired, engine):
-            if item["kind"] != "Pod":
-                continue
+        for item in render_engine_pods(OWNER, hash_of or desired, engine):
             item["status"] = {
                 "phase": phase,
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
@@ -53,9 +51,17 @@ def pod_names(objects: list[dict]) -> list[str]:
 
 def test_a_new_deployment_creates_every_engine() -> None:
     actions = reconcile(OWNER, spec(), 1, [], DiffusionDeploymentStatus())
-    assert pod_names(actions.create) == ["flux-e0-n0", "flux-e0-n1", "flux-e1-n0", "flux-e1-n1"]
-    kinds = sorted({o["kind"] for o in actions.create})
-    assert kinds == ["Pod", "PodDisruptionBudget", "Service"]
+    created = pod_names(actions.create_pods)
+    assert created == ["flux-e0-n0", "flux-e0-n1", "flux-e1-n0", "flux-e1-n1"]
+    children = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in actions.apply_children)
+    assert children == [
+        "NetworkPolicy/flux-e0",
+        "NetworkPolicy/flux-e1",
+        "PodDisruptionBudget/flux",
+        "Service/flux",
+        "Service/flux-e0",
+        "Service/flux-e1",
+    ]
     assert actions.delete_pods == []
     assert actions.status.replicas == 2
     assert actions.status.ready_replicas == 0
@@ -67,15 +73,17 @@ def test_a_new_deployment_creates_every_engine() -> None:
 def test_a_ready_deployment_is_available_and_left_alone() -> None:
     desired = spec()
     actions = reconcile(OWNER, desired, 3, running(desired, range(2)), DiffusionDeploymentStatus())
-    assert pod_names(actions.create) == []
+    assert pod_names(actions.create_pods) == []
     assert actions.delete_pods == []
     assert actions.status.ready_replicas == 2
     assert conditions(actions.status) == {
         "Available": "True",
         "Progressing": "False",
         "Degraded": "False",
+        "UpdateInProgress": "False",
         "InvalidSpec": "False",
     }
+    assert actions.events == []
     assert [e.phase for e in actions.status.engines] == [EnginePhase.READY, EnginePhase.READY]
     assert actions.status.observed_generation == 3
 
@@ -111,10 +119,10 @@ def test_a_restarting_engine_is_counted_once_and_recreated_when_gone() -> None:
     terminating = running(desired, [0], terminating=True, phase="Failed")
     waiting = reconcile(OWNER, desired, 1, terminating, previous)
     assert waiting.delete_pods == []
-    assert pod_names(waiting.create) == []
+    assert pod_names(waiting.create_pods) == []
     assert waiting.status.engines[0].restarts == 1
     recreated = reconcile(OWNER, desired, 1, [], waiting.status)
-    assert pod_names(recreated.create) == ["flux-e0-n0", "flux-e0-n1"]
+    assert pod_names(recreated.create_pods) == ["flux-e0-n0", "flux-e0-n1"]
     assert recreated.status.engines[0].restarts == 1
 
 
@@ -146,21 +154,21 @@ def test_scaling_down_removes_the_highest_engines_workers_first() -> None:
 def test_scaling_up_creates_only_the_new_engines() -> None:
     desired = spec(replicas=3)
     actions = reconcile(OWNER, desired, 1, running(desired, range(2)), DiffusionDeploymentStatus())
-    assert pod_names(actions.create) == ["flux-e2-n0", "flux-e2-n1"]
+    assert pod_names(actions.create_pods) == ["flux-e2-n0", "flux-e2-n1"]
 
 
 def test_an_interrupted_creation_is_completed() -> None:
     desired = spec(replicas=1)
     partial = running(desired, [0], phase="Pending", ready=False)[:1]
     actions = reconcile(OWNER, desired, 1, partial, DiffusionDeploymentStatus())
-    assert pod_names(actions.create) == ["flux-e0-n1"]
+    assert pod_names(actions.create_pods) == ["flux-e0-n1"]
     assert actions.delete_pods == []
 
 
 def test_an_invalid_spec_creates_nothing_and_says_why() -> None:
     invalid = spec(parallelism={"data": 2, "sequence": 2, "hsdp": {"enabled": True}})
     actions = reconcile(OWNER, invalid, 4, [], DiffusionDeploymentStatus())
-    assert actions.create == []
+    assert actions.create_pods == []
     assert actions.delete_pods == []
     by_type = {c.type: c for c in actions.status.conditions}
     assert by_type["InvalidSpec"].status == "True"
@@ -185,3 +193,104 @@ def test_transition_time_moves_only_when_a_condition_changes() -> None:
     broken = reconcile(OWNER, desired, 1, running(desired, [0]), stamped)
     times = {c.type: c.last_transition_time for c in broken.status.conditions}
     assert times["Available"] != "2000-01-01T00:00:00Z"
+
+
+def observed_children(desired: DiffusionDeploymentSpec) -> list[ObservedChild]:
+    return [
+        ObservedChild.from_manifest(item["kind"], item) for item in render_children(OWNER, desired)
+    ]
+
+
+def test_children_in_place_are_left_alone_and_changed_ones_patched() -> None:
+    desired = spec()
+    pods = running(desired, range(2))
+    steady = reconcile(
+        OWNER, desired, 1, pods, DiffusionDeploymentStatus(), children=observed_children(desired)
+    )
+    assert steady.apply_children == []
+    assert steady.delete_children == []
+    stricter = spec(disruptionBudget={"maxUnavailableEngines": 0})
+    patched = reconcile(
+        OWNER, stricter, 2, pods, steady.status, children=observed_children(desired)
+    )
+    assert [(o["kind"], o["spec"]["minAvailable"]) for o in patched.apply_children] == [
+        ("PodDisruptionBudget", 4)
+    ]
+
+
+def test_children_no_longer_rendered_are_deleted() -> None:
+    """Scaled-down engines, a disabled NetworkPolicy, and an older release's per-engine
+    budgets (which blocked every drain)."""
+    before = spec(replicas=3)
+    legacy = [ObservedChild("PodDisruptionBudget", f"flux-e{e}", "") for e in range(3)]
+    after = spec(replicas=2, networkPolicy={"enabled": False})
+    actions = reconcile(
+        OWNER,
+        after,
+        2,
+        running(after, range(2)),
+        DiffusionDeploymentStatus(),
+        children=observed_children(before) + legacy,
+    )
+    assert actions.delete_children == [
+        ("NetworkPolicy", "flux-e0"),
+        ("NetworkPolicy", "flux-e1"),
+        ("NetworkPolicy", "flux-e2"),
+        ("PodDisruptionBudget", "flux-e0"),
+        ("PodDisruptionBudget", "flux-e1"),
+        ("PodDisruptionBudget", "flux-e2"),
+        ("Service", "flux-e2"),
+    ]
+
+
+def test_an_evicted_pod_restarts_its_engine_whole() -> None:
+    desired = spec()
+    survivors = [p for p in running(desired, range(2)) if p.name != "flux-e1-n0"]
+    actions = reconcile(OWNER, desired, 1, survivors, DiffusionDeploymentStatus())
+    assert actions.delete_pods == ["flux-e1-n1"]
+    gone = [p for p in survivors if p.engine == 0]
+    recreated = reconcile(OWNER, desired, 1, gone, actions.status)
+    assert pod_names(recreated.create_pods) == ["flux-e1-n0", "flux-e1-n1"]
+
+
+def test_a_steady_invalid_spec_reports_one_event() -> None:
+    invalid = spec(parallelism={"data": 2, "sequence": 2, "hsdp": {"enabled": True}})
+    first = reconcile(OWNER, invalid, 4, [], DiffusionDeploymentStatus())
+    assert [e.reason for e in first.events] == ["InvalidSpec"]
+    again = reconcile(OWNER, invalid, 4, [], first.status)
+    assert again.events == []
+    other = spec(quantization="int8")
+    changed = reconcile(OWNER, other, 5, [], again.status)
+    assert [e.reason for e in changed.events] == ["InvalidSpec"]
+
+
+def test_events_name_the_pods_they_report() -> None:
+    """The handlers post an Event only if one of its subjects was actually changed."""
+    desired = spec()
+    created = reconcile(OWNER, desired, 1, [], DiffusionDeploymentStatus())
+    assert [(e.reason, e.subjects) for e in created.events] == [
+        ("EngineCreated", ("flux-e0-n0", "flux-e0-n1")),
+        ("EngineCreated", ("flux-e1-n0", "flux-e1-n1")),
+    ]
+    shrunk = spec(replicas=1)
+    leaving = running(shrunk, [0]) + running(shrunk, [1], terminating=True)
+    assert reconcile(OWNER, shrunk, 2, leaving, created.status).events == []
+
+
+def test_a_roll_reports_update_in_progress_until_every_engine_is_ready_again() -> None:
+    old, new = spec(), spec(shmSize="8Gi")
+    stable = reconcile(OWNER, old, 1, running(old, range(2)), DiffusionDeploymentStatus())
+    started = reconcile(OWNER, new, 2, running(new, range(2), hash_of=old), stable.status)
+    assert conditions(started.status)["UpdateInProgress"] == "True"
+    assert started.status.updated_replicas == 0
+    assert [e.reason for e in started.events] == ["EngineUpdate", "RollingUpdate"]
+    # The last outdated engine is gone but not back yet: still rolling, no new Event.
+    last = running(new, [0]) + running(new, [1], ready=False, phase="Pending")
+    waiting = reconcile(OWNER, new, 2, last, started.status)
+    assert conditions(waiting.status)["UpdateInProgress"] == "True"
+    assert waiting.status.updated_replicas == 2
+    assert waiting.events == []
+    done = reconcile(OWNER, new, 2, running(new, range(2)), waiting.status)
+    assert conditions(done.status)["UpdateInProgress"] == "False"
+    assert [e.reason for e in done.events] == ["RollingUpdateComplete"]
+    assert reconcile(OWNER, new, 2, running(new, range(2)), done.status).events == []

@@ -13,8 +13,10 @@ from dlo_operator.render import (
     LABEL_ROLE,
     NRI_ULIMIT_ANNOTATION,
     Owner,
+    budget_min_available,
+    render_children,
     render_client_service,
-    render_engine,
+    render_engine_pods,
     spec_hash,
     worker_arguments,
 )
@@ -35,6 +37,10 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
     return [o for o in objects if o["kind"] == kind]
 
 
+def leader(variant: DiffusionDeploymentSpec, engine: int = 0) -> dict:
+    return render_engine_pods(OWNER, variant, engine)[0]
+
+
 def container(pod: dict) -> dict:
     (worker,) = pod["spec"]["containers"]
     return worker
@@ -45,15 +51,14 @@ def env(pod: dict) -> dict[str, str]:
 
 
 def test_engine_has_one_pod_per_node_with_deterministic_names() -> None:
-    objects = render_engine(OWNER, spec(), engine=1)
-    pods = by_kind(objects, "Pod")
+    pods = render_engine_pods(OWNER, spec(), engine=1)
     assert [p["metadata"]["name"] for p in pods] == ["flux-e1-n0", "flux-e1-n1"]
     assert [p["metadata"]["labels"][LABEL_ROLE] for p in pods] == ["leader", "worker"]
-    assert render_engine(OWNER, spec(), engine=1) == objects
+    assert render_engine_pods(OWNER, spec(), engine=1) == pods
 
 
 def test_torch_environment_points_every_rank_at_node_zero() -> None:
-    pods = by_kind(render_engine(OWNER, spec(), engine=0), "Pod")
+    pods = render_engine_pods(OWNER, spec(), engine=0)
     for rank, pod in enumerate(pods):
         assert env(pod) == {
             "MASTER_ADDR": "flux-e0-n0.flux-e0.serving.svc",
@@ -63,14 +68,15 @@ def test_torch_environment_points_every_rank_at_node_zero() -> None:
             "NODE_RANK": str(rank),
             "NPROC_PER_NODE": "2",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110",
+            "HOME": "/home/dlo",
         }
         assert pod["spec"]["hostname"] == f"flux-e0-n{rank}"
         assert pod["spec"]["subdomain"] == "flux-e0"
 
 
 def test_headless_service_publishes_not_ready_addresses() -> None:
-    (service,) = by_kind(render_engine(OWNER, spec(), engine=0), "Service")
-    assert service["metadata"]["name"] == "flux-e0"
+    services = by_kind(render_children(OWNER, spec()), "Service")
+    (service,) = [s for s in services if s["metadata"]["name"] == "flux-e0"]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
 
@@ -106,7 +112,7 @@ def test_volumes_cache_shm_and_model() -> None:
         },
         shmSize="32Gi",
     )
-    pod = by_kind(render_engine(OWNER, variant, engine=0), "Pod")[0]
+    pod = leader(variant)
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["runtime-cache"]["hostPath"] == {
         "path": "/mnt/nvme/dlo",
@@ -117,6 +123,8 @@ def test_volumes_cache_shm_and_model() -> None:
     mounts = {m["name"]: m["mountPath"] for m in container(pod)["volumeMounts"]}
     assert mounts == {
         "dshm": "/dev/shm",
+        "tmp": "/tmp",
+        "home": "/home/dlo",
         "model": "/models/model",
         "runtime-cache": "/var/cache/dlo-worker",
     }
@@ -124,43 +132,107 @@ def test_volumes_cache_shm_and_model() -> None:
 
 
 def test_model_from_a_pvc_or_the_image() -> None:
-    pvc = by_kind(render_engine(OWNER, spec(model={"persistentVolumeClaim": "weights"}), 0), "Pod")[
-        0
-    ]
+    pvc = leader(spec(model={"persistentVolumeClaim": "weights"}), 0)
     assert {v["name"]: v for v in pvc["spec"]["volumes"]}["model"]["persistentVolumeClaim"] == {
         "claimName": "weights",
         "readOnly": True,
     }
-    baked = by_kind(render_engine(OWNER, spec(model={"imagePath": "/opt/model"}), 0), "Pod")[0]
+    baked = leader(spec(model={"imagePath": "/opt/model"}), 0)
     assert "model" not in {v["name"] for v in baked["spec"]["volumes"]}
 
 
-def test_resources_include_gpus_and_the_pinned_budget() -> None:
+def test_resources_default_per_rank_plus_the_pinned_budget_and_shm() -> None:
     variant = spec(
         offload={"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 20}}
     )
-    pod = by_kind(render_engine(OWNER, variant, 0), "Pod")[0]
-    resources = container(pod)["resources"]
-    assert resources["limits"]["nvidia.com/gpu"] == "2"
-    # 2 ranks x 20 GiB pinned + 16 GiB /dev/shm
-    assert resources["requests"]["memory"] == "56Gi"
-    explicit = by_kind(render_engine(OWNER, spec(resources={"memory": "200Gi"}), 0), "Pod")[0]
-    assert container(explicit)["resources"]["limits"]["memory"] == "200Gi"
+    resources = container(leader(variant))["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "2"
+    # 2 ranks x (16 GiB per rank + 20 GiB pinned) + 16 GiB /dev/shm, requested and limited
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "88Gi"
+    # 2 ranks x 4 CPUs requested; no CPU limit (throttling stalls pack and NCCL threads)
+    assert resources["requests"]["cpu"] == "8"
+    assert "cpu" not in resources["limits"]
+
+
+def test_resources_per_rank_figures_and_explicit_totals_override() -> None:
+    tuned = container(leader(spec(resources={"cpuPerRank": "1500m", "memoryPerRank": "8Gi"})))
+    assert tuned["resources"]["requests"]["cpu"] == "3"
+    assert tuned["resources"]["limits"]["memory"] == "32Gi"  # 2 x 8 GiB + 16 GiB shm
+    explicit = container(leader(spec(resources={"memory": "200Gi", "cpu": "12"})))
+    assert explicit["resources"]["requests"]["memory"] == "200Gi"
+    assert explicit["resources"]["limits"]["memory"] == "200Gi"
+    assert explicit["resources"]["requests"]["cpu"] == "12"
+    assert (
+        container(leader(spec(resources={"cpuPerRank": "250m"})))["resources"]["requests"]["cpu"]
+        == "500m"
+    )
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        spec(),
+        spec(lockedMemory="IpcLock"),
+        spec(lockedMemory="NriUlimit", resources={"memory": "1Ti"}),
+        spec(offload={"useAllGather": False, "runtimeCache": {"enabled": True}}),
+    ],
+)
+def test_no_spec_renders_a_pod_without_a_memory_limit(variant: DiffusionDeploymentSpec) -> None:
+    for pod in render_engine_pods(OWNER, variant, 0):
+        for item in [*pod["spec"]["containers"], *pod["spec"].get("initContainers", [])]:
+            assert item["resources"]["limits"]["memory"], item["name"]
+            assert item["resources"]["requests"]["cpu"], item["name"]
+
+
+def test_worker_pods_are_hardened_by_default() -> None:
+    pod = leader(spec())
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container(pod)["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert pod["spec"]["enableServiceLinks"] is False
+    assert "initContainers" not in pod["spec"]
+    mounts = {m["name"]: m for m in container(pod)["volumeMounts"]}
+    assert mounts["model"]["readOnly"] is True
+    writable = {v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
+    assert writable == {"dshm", "tmp", "home"}
+
+
+def test_runtime_cache_directory_is_handed_to_the_worker_user() -> None:
+    variant = spec(offload={"useAllGather": False, "runtimeCache": {"enabled": True}})
+    (init,) = leader(variant)["spec"]["initContainers"]
+    assert init["command"] == ["chown", "65532:65532", "/var/cache/dlo-worker"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    assert init["volumeMounts"] == [{"name": "runtime-cache", "mountPath": "/var/cache/dlo-worker"}]
 
 
 @pytest.mark.parametrize("mode", ["IpcLock", "NriUlimit", "None"])
 def test_locked_memory_modes(mode: str) -> None:
-    pod = by_kind(render_engine(OWNER, spec(lockedMemory=mode), 0), "Pod")[0]
-    capabilities = container(pod).get("securityContext", {}).get("capabilities", {})
+    pod = leader(spec(lockedMemory=mode), 0)
+    security = container(pod)["securityContext"]
     annotations = pod["metadata"]["annotations"]
-    assert (capabilities.get("add") == ["IPC_LOCK"]) == (mode == "IpcLock")
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert (security["capabilities"].get("add") == ["IPC_LOCK"]) == (mode == "IpcLock")
+    # An added capability is only effective for root (no ambient capabilities).
+    assert (security.get("runAsUser") == 0) == (mode == "IpcLock")
     assert (NRI_ULIMIT_ANNOTATION in annotations) == (mode == "NriUlimit")
     if mode == "NriUlimit":
         assert "RLIMIT_MEMLOCK" in annotations[NRI_ULIMIT_ANNOTATION]
 
 
 def test_probes_give_loading_a_long_startup_budget() -> None:
-    worker = container(by_kind(render_engine(OWNER, spec(), 0), "Pod")[0])
+    worker = container(leader(spec(), 0))
     startup = worker["startupProbe"]
     assert startup["httpGet"]["path"] == "/health/live"
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600
@@ -169,7 +241,7 @@ def test_probes_give_loading_a_long_startup_budget() -> None:
 
 
 def test_every_child_is_owned_by_the_deployment() -> None:
-    objects = [*render_engine(OWNER, spec(), 0), render_client_service(OWNER, spec())]
+    objects = [*render_engine_pods(OWNER, spec(), 0), *render_children(OWNER, spec())]
     for item in objects:
         (reference,) = item["metadata"]["ownerReferences"]
         assert reference["uid"] == "1234"
@@ -184,7 +256,7 @@ def test_scheduling_keeps_an_engine_in_one_domain_and_one_pod_per_node() -> None
             "tolerations": [{"key": "gpu", "operator": "Exists"}],
         }
     )
-    pod = by_kind(render_engine(OWNER, variant, 3), "Pod")[0]
+    pod = leader(variant, 3)
     affinity = pod["spec"]["affinity"]
     (apart,) = affinity["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     (together,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -201,13 +273,65 @@ def test_client_service_selects_the_leaders() -> None:
     assert service["spec"]["ports"][0]["port"] == 9000
 
 
-def test_budget_blocks_voluntary_eviction_of_a_running_engine() -> None:
-    (budget,) = by_kind(render_engine(OWNER, spec(), 0), "PodDisruptionBudget")
-    assert budget["spec"]["minAvailable"] == 2
+BUDGET_CASES = [
+    # (replicas, pods per engine via data, maxUnavailableEngines, minAvailable)
+    (2, 4, 1, 3),  # 4 Pods: one eviction, then the evicted engine's restart blocks more
+    (3, 2, 1, 2),  # one Pod per engine: replicas - 1
+    (3, 2, 2, 1),
+    (2, 4, 0, 4),  # never evict a healthy Pod
+    (1, 2, 1, 0),  # a single engine can be drained (with downtime)
+    (0, 2, 1, 0),
+]
+
+
+@pytest.mark.parametrize(("replicas", "data", "engines", "min_available"), BUDGET_CASES)
+def test_one_budget_counts_disruptions_in_engines(
+    replicas: int, data: int, engines: int, min_available: int
+) -> None:
+    variant = spec(
+        replicas=replicas,
+        parallelism={"data": data},
+        disruptionBudget={"maxUnavailableEngines": engines},
+    )
+    (budget,) = by_kind(render_children(OWNER, variant), "PodDisruptionBudget")
+    assert budget["metadata"]["name"] == "flux"
+    assert budget["spec"]["minAvailable"] == min_available == budget_min_available(variant)
+    assert budget["spec"]["selector"] == {"matchLabels": {"dlo.dev/deployment": "flux"}}
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_network_policy_per_engine_opens_only_http_beyond_the_engine() -> None:
+    policies = by_kind(render_children(OWNER, spec(replicas=2, port=9000)), "NetworkPolicy")
+    assert [p["metadata"]["name"] for p in policies] == ["flux-e0", "flux-e1"]
+    policy = policies[1]["spec"]
+    engine = {"dlo.dev/deployment": "flux", "dlo.dev/engine": "1"}
+    assert policy["podSelector"] == {"matchLabels": engine}
+    assert policy["policyTypes"] == ["Ingress"]
+    within, http = policy["ingress"]
+    assert within == {"from": [{"podSelector": {"matchLabels": engine}}]}
+    assert http == {"ports": [{"protocol": "TCP", "port": 9000}]}
+    disabled = spec(replicas=2, networkPolicy={"enabled": False})
+    assert by_kind(render_children(OWNER, disabled), "NetworkPolicy") == []
+
+
+def test_children_carry_a_hash_of_their_rendering() -> None:
+    def hashes(variant: DiffusionDeploymentSpec) -> dict[str, str]:
+        return {
+            f"{item['kind']}/{item['metadata']['name']}": item["metadata"]["annotations"][
+                "dlo.dev/config-hash"
+            ]
+            for item in render_children(OWNER, variant)
+        }
+
+    base, scaled = hashes(spec(replicas=2)), hashes(spec(replicas=3))
+    assert base["Service/flux-e0"] == scaled["Service/flux-e0"]
+    assert base["PodDisruptionBudget/flux"] != scaled["PodDisruptionBudget/flux"]
+    assert "Service/flux-e2" in scaled
+    assert "Service/flux-e2" not in base
 
 
 def test_spec_hash_ignores_replicas_but_not_pod_fields() -> None:
     assert spec_hash(spec(replicas=1)) == spec_hash(spec(replicas=5))
     assert spec_hash(spec()) != spec_hash(spec(shmSize="8Gi"))
-    pod = by_kind(render_engine(OWNER, spec(), 0), "Pod")[0]
+    pod = leader(spec())
     assert pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] == spec_hash(spec())
