@@ -179,6 +179,11 @@ class Resources(_Api):
         description="Host memory of one rank besides the pinned budget and /dev/shm "
         "(process, host weights, loading) when `memory` is not set.",
     )
+    ephemeral_storage: Quantity = Field(
+        default="10Gi",
+        description="Node disk per Pod (request and limit) for /tmp, the caches under $HOME "
+        "and container logs; the root filesystem is read-only.",
+    )
 
 
 class DisruptionBudget(_Api):

@@ -233,9 +233,10 @@ def _resources(spec: DiffusionDeploymentSpec) -> dict[str, dict[str, str]]:
         parse_quantity(spec.resources.cpu_per_rank) * spec.gpus_per_node
     )
     memory = spec.resources.memory or _gib_quantity(derived_memory_bytes(spec))
+    disk = spec.resources.ephemeral_storage
     return {
-        "requests": {GPU_RESOURCE: gpus, "cpu": cpu, "memory": memory},
-        "limits": {GPU_RESOURCE: gpus, "memory": memory},
+        "requests": {GPU_RESOURCE: gpus, "cpu": cpu, "memory": memory, "ephemeral-storage": disk},
+        "limits": {GPU_RESOURCE: gpus, "memory": memory, "ephemeral-storage": disk},
     }
 
 
@@ -317,8 +318,8 @@ def _runtime_cache_owner(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
         },
         "resources": {
-            "requests": {"cpu": "10m", "memory": "32Mi"},
-            "limits": {"cpu": "100m", "memory": "32Mi"},
+            "requests": {"cpu": "10m", "memory": "32Mi", "ephemeral-storage": "16Mi"},
+            "limits": {"cpu": "100m", "memory": "32Mi", "ephemeral-storage": "16Mi"},
         },
         "volumeMounts": [{"name": "runtime-cache", "mountPath": RUNTIME_CACHE_MOUNT_PATH}],
     }

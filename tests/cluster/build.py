@@ -44,10 +44,16 @@ class Versions:
     etcd: str
     kwok: str
     helm: str
+    kube_score: str
+    """A linter for manifests (run on the chart and on rendered worker Pods)."""
 
     @classmethod
     def load(cls, path: Path = VERSIONS_FILE) -> Versions:
         return cls(**json.loads(path.read_text()))
+
+    def control_plane(self) -> dict[str, str]:
+        """The versions that key the cache directory (a linter bump rebuilds only itself)."""
+        return {k: v for k, v in self.__dict__.items() if k != "kube_score"}
 
     @property
     def staging_version(self) -> str:
@@ -64,7 +70,7 @@ def cache_root() -> Path:
 
 
 def build_key(versions: Versions) -> str:
-    material = json.dumps(versions.__dict__, sort_keys=True) + RECIPE_REVISION
+    material = json.dumps(versions.control_plane(), sort_keys=True) + RECIPE_REVISION
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
@@ -163,8 +169,15 @@ class Builder:
         self.env = _go_env()
 
     def missing(self) -> list[str]:
-        wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm")
-        return [name for name in wanted if not (self.bin / name).is_file()]
+        wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm", "kube-score")
+        missing = [name for name in wanted if not (self.bin / name).is_file()]
+        if "kube-score" not in missing and self._stamp("kube-score") != self.versions.kube_score:
+            missing.append("kube-score")
+        return missing
+
+    def _stamp(self, name: str) -> str:
+        stamp = self.bin / f".{name}.version"
+        return stamp.read_text().strip() if stamp.is_file() else ""
 
     def ensure(self) -> Path:
         """Build every missing binary (idempotent); returns the bin directory."""
@@ -228,6 +241,15 @@ class Builder:
             )
             package = "helm.sh/helm/v3/cmd/helm"
             ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={v.helm}"
+        elif name == "kube-score":
+            workspace = self._workspace(
+                "kube-score",
+                wrapper_go_mod(
+                    "dlo.dev/cluster/kube-score", {"github.com/zegl/kube-score": v.kube_score}, {}
+                ),
+            )
+            package = "github.com/zegl/kube-score/cmd/kube-score"
+            ldflags = f"-s -w -X main.version={v.kube_score.removeprefix('v')}"
         else:
             raise BuildError(f"unknown tool {name}")
         if package == ".":
@@ -239,6 +261,8 @@ class Builder:
             self.env,
         )
         _install(built, self.bin / name)
+        if name == "kube-score":
+            (self.bin / f".{name}.version").write_text(v.kube_score)
 
 
 def main() -> int:

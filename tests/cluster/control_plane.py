@@ -323,7 +323,13 @@ def _register_fake_nodes(
     from kubernetes import client, config
 
     api = client.CoreV1Api(config.new_client_from_config(config_file=state.kubeconfig))
-    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU_RESOURCE: str(gpus_per_node)}
+    capacity = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "ephemeral-storage": "1Ti",
+        "pods": "110",
+        GPU_RESOURCE: str(gpus_per_node),
+    }
     for index in range(nodes):
         name = f"dlo-gpu-{index}"
         body = client.V1Node(

@@ -13,10 +13,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from tests.support.ports import free_port
+
+CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
 
 
 def eventually(check: Callable[[], bool], timeout_s: float = 60, what: str = "condition") -> None:
@@ -70,21 +73,60 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def helm_template(*set_values: str, release: str = "dlo") -> list[dict[str, Any]]:
+    """The chart's objects as ``helm template`` renders them (default values + ``--set``)."""
+    from tests.cluster.build import Builder
+
+    arguments = [str(Builder().bin / "helm"), "template", release, str(CHART)]
+    for value in set_values:
+        arguments += ["--set", value]
+    rendered = subprocess.run(arguments, capture_output=True, text=True, timeout=60, check=True)
+    return [item for item in yaml.safe_load_all(rendered.stdout) if item]
+
+
+def chart_operator_arguments(*set_values: str) -> list[str]:
+    """The operator container's arguments from the chart's Deployment."""
+    (deployment,) = [item for item in helm_template(*set_values) if item["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return list(container["args"])
+
+
 @contextlib.contextmanager
-def running_operator(kubeconfig: str, namespace: str, log_path: Path) -> Iterator[str]:
-    """``dlo-operator`` watching ``namespace`` as a process; yields its liveness URL."""
+def running_operator(kubeconfig: str, log_path: Path, *set_values: str) -> Iterator[list[str]]:
+    """``dlo-operator`` as a process with exactly the arguments the chart renders.
+
+    ``set_values`` are chart values (``helm --set``); none means the default install
+    (every namespace). The liveness port is the one value always set, to a free port.
+    Yields the arguments.
+    """
     port = free_port()
+    arguments = chart_operator_arguments(f"livenessPort={port}", *set_values)
     url = f"http://127.0.0.1:{port}/healthz"
     with log_path.open("a") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "dlo_operator", "--namespace", namespace, "--liveness", url],
+            [sys.executable, "-m", "dlo_operator", *arguments],
             env={**os.environ, "KUBECONFIG": kubeconfig},
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+
+        def started() -> bool:
+            if process.poll() is not None:
+                tail = log_path.read_text()[-3000:]
+                raise AssertionError(f"dlo-operator {arguments} exited: {tail}")
+            return _healthy(url)
+
         try:
-            eventually(lambda: _healthy(url), 60, "operator liveness endpoint")
-            yield url
+            eventually(started, 60, "operator liveness endpoint")
+            yield arguments
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+
+
+def events(api_client, namespace: str, name: str) -> list[str]:
+    """Reasons of the Events about one object, one entry per Event object."""
+    found = client.CoreV1Api(api_client).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    )
+    return [event.reason for event in found.items for _ in range(event.count or 1)]

@@ -1,4 +1,6 @@
-"""The Helm chart: lints, installs (CRD included), and its RBAC alone is enough to reconcile.
+"""The Helm chart: lints strictly, installs with default values (CRD included), and the
+operator run with the chart's default arguments and only its RBAC reconciles the example in
+a namespace created after it started.
 
 Runs in a control plane of its own, because the chart installs the CRD itself and Helm will
 not adopt one created by the other tests.
@@ -18,9 +20,9 @@ from kubernetes import client, config
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from tests.cluster.build import Builder
 from tests.cluster.control_plane import ClusterState, down, up
-from tests.cluster.helpers import create, eventually, manifest, running_operator
+from tests.cluster.helpers import CHART, eventually, running_operator
 
-CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
+EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
 RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
 
 
@@ -34,7 +36,9 @@ def chart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterS
         down(directory, progress=lambda _line: None)
 
 
-def helm(state: ClusterState, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
+def tool(
+    state: ClusterState, name: str, *args: str, home: Path
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "KUBECONFIG": state.kubeconfig,
@@ -43,7 +47,7 @@ def helm(state: ClusterState, *args: str, home: Path) -> subprocess.CompletedPro
         "HELM_DATA_HOME": str(home / "d"),
     }
     return subprocess.run(
-        [str(Builder().bin / "helm"), *args],
+        [str(Builder().bin / name), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -55,8 +59,9 @@ def helm(state: ClusterState, *args: str, home: Path) -> subprocess.CompletedPro
 @pytest.fixture(scope="module")
 def installed(chart_cluster: ClusterState, tmp_path_factory: pytest.TempPathFactory):
     home = tmp_path_factory.mktemp("helm")
-    result = helm(
+    result = tool(
         chart_cluster,
+        "helm",
         "install",
         RELEASE,
         str(CHART),
@@ -72,8 +77,8 @@ def installed(chart_cluster: ClusterState, tmp_path_factory: pytest.TempPathFact
     return config.new_client_from_config(config_file=chart_cluster.kubeconfig)
 
 
-def test_chart_lints(chart_cluster: ClusterState, tmp_path: Path) -> None:
-    result = helm(chart_cluster, "lint", str(CHART), home=tmp_path)
+def test_chart_lints_strictly(chart_cluster: ClusterState, tmp_path: Path) -> None:
+    result = tool(chart_cluster, "helm", "lint", "--strict", str(CHART), home=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -104,22 +109,27 @@ def _service_account_kubeconfig(api_client, state: ClusterState, path: Path) -> 
     return path
 
 
-def test_operator_reconciles_with_only_the_charts_rbac(
+def test_default_install_reconciles_the_example_in_a_namespace_created_later(
     chart_cluster, installed, tmp_path: Path
 ) -> None:
-    namespace = "tenant"
-    client.CoreV1Api(installed).create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
-    )
+    """The chart's default arguments (every namespace) and only the chart's RBAC."""
     kubeconfig = _service_account_kubeconfig(installed, chart_cluster, tmp_path / "sa.json")
     restricted = config.new_client_from_config(config_file=str(kubeconfig))
     with pytest.raises(client.ApiException) as denied:
-        client.CoreV1Api(restricted).list_namespaced_secret(namespace)
+        client.CoreV1Api(restricted).list_namespaced_secret(OPERATOR_NAMESPACE)
     assert denied.value.status == 403
 
     log = tmp_path / "operator.log"
-    with running_operator(str(kubeconfig), namespace, log):
-        create(installed, namespace, manifest("flux", parallelism={"data": 4}))
+    with running_operator(str(kubeconfig), log) as arguments:
+        assert not any(argument.startswith("--namespace") for argument in arguments)
+        namespace = "tenant"
+        client.CoreV1Api(installed).create_namespace(
+            client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+        )
+        applied = tool(
+            chart_cluster, "kubectl", "apply", "-n", namespace, "-f", str(EXAMPLE), home=tmp_path
+        )
+        assert applied.returncode == 0, applied.stderr
 
         def available() -> bool:
             status = (
@@ -128,12 +138,12 @@ def test_operator_reconciles_with_only_the_charts_rbac(
                 .get("status")
                 or {}
             )
-            return status.get("readyReplicas") == 1
+            return status.get("readyReplicas") == 2
 
-        eventually(available, 120, "engine Available under the chart's RBAC")
+        eventually(available, 120, "the example Available under the chart's defaults")
     forbidden = [
-        line
-        for line in (tmp_path / "operator.log").read_text().splitlines()
-        if "403" in line or "Forbidden" in line
+        line for line in log.read_text().splitlines() if "403" in line or "Forbidden" in line
     ]
     assert forbidden == []
+    tracebacks = [line for line in log.read_text().splitlines() if "Traceback" in line]
+    assert tracebacks == []

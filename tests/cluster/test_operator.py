@@ -1,5 +1,9 @@
 """The operator as a process against the real control plane: engines, status, restarts, rolls,
-scaling, invalid specs and deletion."""
+scaling, invalid specs, deletion, evictions and Events.
+
+The operator runs with the arguments the chart's default values render: it watches every
+namespace, as installed.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +18,19 @@ from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.render import ANNOTATION_SPEC_HASH
-from tests.cluster.helpers import create, eventually, manifest, running_operator
+from tests.cluster.helpers import (
+    create,
+    events,
+    eventually,
+    manifest,
+    running_operator,
+)
 
 
 @pytest.fixture
-def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[str]:
-    with running_operator(cluster.kubeconfig, namespace, tmp_path / "operator.log") as url:
-        yield url
+def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[list[str]]:
+    with running_operator(cluster.kubeconfig, tmp_path / "operator.log") as arguments:
+        yield arguments
 
 
 def _status(api_client, namespace: str, name: str) -> dict:
@@ -58,7 +68,9 @@ def test_operator_runs_engines_end_to_end(api_client, operator, namespace) -> No
     }
     assert services == {"flux", "flux-e0", "flux-e1"}
     budgets = client.PolicyV1Api(api_client).list_namespaced_pod_disruption_budget(namespace)
-    assert len(budgets.items) == 2
+    assert [b.metadata.name for b in budgets.items] == ["flux"]
+    policies = client.NetworkingV1Api(api_client).list_namespaced_network_policy(namespace)
+    assert sorted(p.metadata.name for p in policies.items) == ["flux-e0", "flux-e1"]
 
     # A lost rank restarts its whole engine.
     client.CoreV1Api(api_client).delete_namespaced_pod("flux-e1-n1", namespace)
@@ -124,11 +136,11 @@ def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
     api_client, cluster, crd, namespace, tmp_path: Path
 ) -> None:
     log = tmp_path / "operator.log"
-    with running_operator(cluster.kubeconfig, namespace, log):
+    with running_operator(cluster.kubeconfig, log):
         create(api_client, namespace, manifest("flux", parallelism={"data": 4}))
         eventually(lambda: len(_pods(api_client, namespace)) == 2, 60, "engine created")
         before = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
-    with running_operator(cluster.kubeconfig, namespace, log):
+    with running_operator(cluster.kubeconfig, log):
         time.sleep(12)  # longer than the reconcile timer: at least one full sync ran
         after = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
         assert after == before
@@ -171,7 +183,7 @@ def test_the_example_becomes_exactly_the_rendered_objects(
     api_client, cluster, operator, namespace
 ) -> None:
     from dlo_operator.api import DiffusionDeploymentSpec
-    from dlo_operator.render import Owner, render_engine
+    from dlo_operator.render import Owner, render_engine_pods
 
     _kubectl(cluster, "apply", "-n", namespace, "-f", str(EXAMPLE))
     eventually(
@@ -187,8 +199,7 @@ def test_the_example_becomes_exactly_the_rendered_objects(
     expected = {
         item["metadata"]["name"]: item
         for engine in range(spec.replicas)
-        for item in render_engine(owner, spec, engine)
-        if item["kind"] == "Pod"
+        for item in render_engine_pods(owner, spec, engine)
     }
     pods = {
         p.metadata.name: api_client.sanitize_for_serialization(p)
@@ -206,6 +217,7 @@ def test_the_example_becomes_exactly_the_rendered_objects(
             "readinessProbe",
             "livenessProbe",
             "image",
+            "securityContext",
         ):
             assert _subset(want_container[field], got_container[field]), (name, field)
         assert _subset(
@@ -213,12 +225,15 @@ def test_the_example_becomes_exactly_the_rendered_objects(
             [v for v in got["volumes"] if not v["name"].startswith("kube-api-access")],
         )
         assert got["terminationGracePeriodSeconds"] == 120
+        assert _subset(want["securityContext"], got["securityContext"])
+        assert got["automountServiceAccountToken"] is False
+        assert not any(v["name"].startswith("kube-api-access") for v in got["volumes"])
         assert pod["metadata"]["ownerReferences"][0]["uid"] == owner.uid
         assert pod["metadata"]["labels"] == expected[name]["metadata"]["labels"]
     table = _kubectl(cluster, "get", "diffusiondeployments", "-n", namespace)
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NAME", "REPLICAS", "READY", "AVAILABLE", "AGE"]
-    assert row.split()[:4] == ["flux", "2", "2", "True"]
+    assert header.split() == ["NAME", "REPLICAS", "READY", "UP-TO-DATE", "AVAILABLE", "AGE"]
+    assert row.split()[:5] == ["flux", "2", "2", "2", "True"]
 
 
 def _subset(want: object, got: object) -> bool:
@@ -269,3 +284,68 @@ def test_a_spec_change_replaces_engines_one_at_a_time(api_client, operator, name
     else:
         raise AssertionError("the roll did not finish")
     assert most_engines_down <= 1
+
+
+def _evict(api_client, namespace: str, name: str) -> int:
+    """The eviction API's answer for one Pod: 201 evicted, 429 refused by the budget."""
+    eviction = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=namespace))
+    try:
+        client.CoreV1Api(api_client).create_namespaced_pod_eviction(name, namespace, eviction)
+    except client.ApiException as error:
+        return error.status
+    return 201
+
+
+def test_a_drain_evicts_one_engine_at_a_time_and_never_wedges(
+    api_client, operator, namespace
+) -> None:
+    create(api_client, namespace, manifest("drain", replicas=2, parallelism={"data": 4}))
+    policy = client.PolicyV1Api(api_client)
+
+    def budget_allows_one() -> bool:
+        budget = policy.read_namespaced_pod_disruption_budget("drain", namespace)
+        return (
+            _status(api_client, namespace, "drain").get("readyReplicas") == 2
+            and budget.status.observed_generation == budget.metadata.generation
+            and budget.status.disruptions_allowed == 1
+        )
+
+    eventually(budget_allows_one, 120, "both engines Ready and one disruption allowed")
+    before = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
+    assert _evict(api_client, namespace, "drain-e0-n1") == 201
+    # Engine 0 is down (its other rank is stopped by the operator): engine 1 must stay.
+    assert _evict(api_client, namespace, "drain-e1-n0") == 429
+    assert _evict(api_client, namespace, "drain-e1-n1") == 429
+
+    def engine_zero_restarted_whole() -> bool:
+        pods = {p.metadata.name: p.metadata.uid for p in _pods(api_client, namespace)}
+        status = _status(api_client, namespace, "drain")
+        return (
+            all(pods.get(n) not in (None, before[n]) for n in ("drain-e0-n0", "drain-e0-n1"))
+            and status.get("readyReplicas") == 2
+        )
+
+    eventually(engine_zero_restarted_whole, 120, "engine 0 recreated whole and Ready")
+    assert {n: u for n, u in before.items() if n.startswith("drain-e1")} == {
+        p.metadata.name: p.metadata.uid
+        for p in _pods(api_client, namespace)
+        if p.metadata.name.startswith("drain-e1")
+    }
+    # Not wedged: once engine 0 is back, the next engine may go.
+    eventually(budget_allows_one, 120, "one disruption allowed again")
+    assert _evict(api_client, namespace, "drain-e1-n0") == 201
+
+
+def test_events_are_posted_once_per_transition(api_client, operator, namespace) -> None:
+    """Over 60 s (six reconcile timer ticks): one InvalidSpec for a steady invalid spec,
+    one EngineCreated per engine for a create, nothing repeated."""
+    create(
+        api_client,
+        namespace,
+        manifest("bad", parallelism={"data": 2, "sequence": 2, "hsdp": {"enabled": True}}),
+    )
+    create(api_client, namespace, manifest("good", replicas=2))
+    time.sleep(60)
+    assert _condition(_status(api_client, namespace, "good"), "Available") == "True"
+    assert events(api_client, namespace, "bad") == ["InvalidSpec"]
+    assert sorted(events(api_client, namespace, "good")) == ["EngineCreated", "EngineCreated"]

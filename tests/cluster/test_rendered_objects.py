@@ -1,11 +1,12 @@
-"""Rendered engine objects pass the real API server's validation and run on kwok nodes."""
+"""Rendered engine objects (hardened Pods, budget, NetworkPolicy, Services) pass the real
+API server's validation and run on kwok nodes."""
 
 from __future__ import annotations
 
 from kubernetes import client, utils
 
 from dlo_operator.api import GROUP, PLURAL, VERSION, DiffusionDeploymentSpec
-from dlo_operator.render import Owner, render_client_service, render_engine
+from dlo_operator.render import Owner, render_children, render_engine_pods
 from tests.cluster.helpers import create, eventually, manifest
 
 
@@ -19,7 +20,7 @@ def test_an_engine_is_accepted_scheduled_and_becomes_ready(api_client, crd, name
     created = create(api_client, namespace, body)
     spec = DiffusionDeploymentSpec.model_validate(created["spec"])
     owner = Owner(created["metadata"]["name"], namespace, created["metadata"]["uid"])
-    for item in [*render_engine(owner, spec, 0), render_client_service(owner, spec)]:
+    for item in [*render_children(owner, spec), *render_engine_pods(owner, spec, 0)]:
         utils.create_from_dict(api_client, item, namespace=namespace)
 
     core = client.CoreV1Api(api_client)
@@ -34,10 +35,11 @@ def test_an_engine_is_accepted_scheduled_and_becomes_ready(api_client, crd, name
     eventually(engine_ready, 90, "both Pods of engine 0 Ready")
     nodes = {p.spec.node_name for p in core.list_namespaced_pod(namespace).items}
     assert len(nodes) == 2  # one Pod per node
-    budget = client.PolicyV1Api(api_client).read_namespaced_pod_disruption_budget(
-        "flux-e0", namespace
-    )
-    assert budget.spec.min_available == 2
+    budget = client.PolicyV1Api(api_client).read_namespaced_pod_disruption_budget("flux", namespace)
+    assert budget.spec.min_available == 1
+    assert budget.spec.unhealthy_pod_eviction_policy == "AlwaysAllow"
+    (init,) = core.read_namespaced_pod("flux-e0-n0", namespace).spec.init_containers
+    assert init.security_context.capabilities.add == ["CHOWN"]
 
     client.CustomObjectsApi(api_client).delete_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, "flux"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tests.cluster.build import (
     Versions,
     build_key,
@@ -32,7 +34,9 @@ def test_every_staging_module_is_replaced_by_its_published_twin() -> None:
 
 
 def test_staging_version_follows_the_kubernetes_release() -> None:
-    versions = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5")
+    versions = Versions(
+        kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5", kube_score="v1.20.0"
+    )
     assert versions.staging_version == "v0.34.4"
 
 
@@ -50,8 +54,11 @@ def test_version_stamps_report_the_real_release() -> None:
     assert "-X k8s.io/client-go/pkg/version.gitMajor=1" in flags
 
 
-def test_cache_key_changes_with_any_version() -> None:
-    base = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5")
-    bumped = Versions(kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.6")
+def test_cache_key_changes_with_any_control_plane_version() -> None:
+    base = Versions(
+        kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5", kube_score="v1.20.0"
+    )
     assert build_key(base) == build_key(base)
-    assert build_key(base) != build_key(bumped)
+    assert build_key(base) != build_key(dataclasses.replace(base, helm="v3.19.6"))
+    # A linter bump rebuilds the linter alone (Builder.missing compares its stamp).
+    assert build_key(base) == build_key(dataclasses.replace(base, kube_score="v1.21.0"))
