@@ -57,6 +57,7 @@ STARTUP_BUDGET_S = 3600
 
 WORKER_UID = 65532
 """The worker image's non-root user and group (``docker/worker.Dockerfile``)."""
+WORKER_USER = "dlo"
 WORKER_HOME = "/home/dlo"
 """An emptyDir: torch, Triton and Hugging Face write their caches under $HOME."""
 INIT_CONTAINER_RUNTIME_CACHE = "runtime-cache-owner"
@@ -161,6 +162,9 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         # it; older releases use a fixed 30 s): the drain may use the Pod's grace period.
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(torchrun_shutdown_timeout(spec)),
         "HOME": WORKER_HOME,
+        # torch names its compile caches after the user; a UID without a passwd entry (a
+        # custom image, an arbitrary-UID platform) would make that lookup raise at import.
+        "USER": WORKER_USER,
     }
     return [{"name": key, "value": value} for key, value in values.items()]
 

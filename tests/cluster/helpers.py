@@ -124,9 +124,9 @@ def running_operator(kubeconfig: str, log_path: Path, *set_values: str) -> Itera
             process.wait(timeout=30)
 
 
-def events(api_client, namespace: str, name: str) -> list[str]:
-    """Reasons of the Events about one object, one entry per Event object."""
+def events(api_client, namespace: str, name: str, kind: str = "DiffusionDeployment") -> list[str]:
+    """Reasons of the Events about one object (children may share its name), one per post."""
     found = client.CoreV1Api(api_client).list_namespaced_event(
-        namespace, field_selector=f"involvedObject.name={name}"
+        namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={kind}"
     )
     return [event.reason for event in found.items for _ in range(event.count or 1)]

@@ -303,7 +303,12 @@ def test_a_drain_evicts_one_engine_at_a_time_and_never_wedges(
     policy = client.PolicyV1Api(api_client)
 
     def budget_allows_one() -> bool:
-        budget = policy.read_namespaced_pod_disruption_budget("drain", namespace)
+        try:
+            budget = policy.read_namespaced_pod_disruption_budget("drain", namespace)
+        except client.ApiException as error:
+            if error.status == 404:  # not created yet
+                return False
+            raise
         return (
             _status(api_client, namespace, "drain").get("readyReplicas") == 2
             and budget.status.observed_generation == budget.metadata.generation

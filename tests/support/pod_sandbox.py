@@ -156,9 +156,12 @@ def _mount_point(path: str, mounted: list[str]) -> None:
 
 def _enter(plan: ContainerPlan) -> None:
     """Build the mount table (as root, in the new namespace), then become the container."""
-    keep = [(path, path, True) for path in plan.reachable] + [tuple(b) for b in plan.binds]
     covers = [*plan.scaffolds, *plan.empty_dirs]
     covers += [p for p in map(_private_ancestor, plan.reachable) if p]
+    # Reachable paths hidden by a cover come back at their own place (recursively: /usr may
+    # hold the driver's mount), read-only like an image layer.
+    hidden = [p for p in plan.reachable if any(_covers(p, cover) for cover in covers)]
+    keep = [(path, path, True) for path in hidden] + [tuple(b) for b in plan.binds]
     # Hold every bind source open, cover, then bind the sources through their descriptors.
     held = [os.open(source, os.O_PATH | os.O_DIRECTORY) for source, _, _ in keep]
     mounted: list[str] = []
@@ -169,7 +172,7 @@ def _enter(plan: ContainerPlan) -> None:
         mounted.append(cover)
     for descriptor, (_, target, read_only) in zip(held, keep, strict=True):
         _mount_point(target, mounted)
-        _mount("--no-canonicalize", "--bind", f"/proc/{os.getpid()}/fd/{descriptor}", target)
+        _mount("--no-canonicalize", "--rbind", f"/proc/{os.getpid()}/fd/{descriptor}", target)
         if read_only:
             _mount("-o", "remount,bind,ro", target)
         os.close(descriptor)

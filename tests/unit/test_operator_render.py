@@ -69,6 +69,7 @@ def test_torch_environment_points_every_rank_at_node_zero() -> None:
             "NPROC_PER_NODE": "2",
             "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110",
             "HOME": "/home/dlo",
+            "USER": "dlo",
         }
         assert pod["spec"]["hostname"] == f"flux-e0-n{rank}"
         assert pod["spec"]["subdomain"] == "flux-e0"
