@@ -149,9 +149,74 @@ def plain_stack(seed: int = 0, blocks: int = 5) -> TinyCase:
     return TinyCase(model, {"x": torch.randn(3, 8, generator=_generator(seed + 1))})
 
 
+class InterleavedStack(nn.Module):
+    """Two block lists run out of attribute order, as Latte or ConsisID do: the lists
+    alternate, and the second one runs in reverse. A parameter-free list of activations
+    sits beside them (the fallback must not take it for blocks)."""
+
+    def __init__(self, pairs: int, width: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.spatial = nn.ModuleList(PlainBlock(width) for _ in range(pairs))
+        self.temporal = nn.ModuleList(PlainBlock(width) for _ in range(pairs))
+        self.activations = nn.ModuleList(nn.GELU() for _ in range(pairs))
+        self.head = nn.Linear(width, 4)
+        self.fail_at: int | None = None
+        """A block index whose forward raises (to exercise errors inside blocks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for index, (spatial, temporal) in enumerate(
+            zip(self.spatial, reversed(self.temporal), strict=True)
+        ):
+            x = temporal(self.activations[index](spatial(x)))
+            if index == self.fail_at:
+                raise RuntimeError(f"block {index} failed")
+        return self.head(x)
+
+
+def interleaved_stack(seed: int = 0, pairs: int = 3) -> TinyCase:
+    torch.manual_seed(seed)
+    model = InterleavedStack(pairs).eval()
+    return TinyCase(model, {"x": torch.randn(3, 8, generator=_generator(seed + 1))})
+
+
+def tiny_hunyuan_video(seed: int = 0) -> TinyCase:
+    """A nested block list (the token refiner's) that runs before the main lists."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=2,
+        num_single_layers=2,
+        num_refiner_layers=2,
+        patch_size=1,
+        patch_size_t=1,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+    ).eval()
+    g = _generator(seed + 1)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 1, 4, 4, generator=g),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 5, 16, generator=g),
+        "encoder_attention_mask": torch.ones(1, 5),
+        "pooled_projections": torch.randn(1, 8, generator=g),
+        "guidance": torch.tensor([3500.0]),
+    }
+    return TinyCase(model, inputs)
+
+
 BUILDERS: dict[str, Callable[..., TinyCase]] = {
     "flux": tiny_flux,
     "dit": tiny_dit,
     "wan": tiny_wan,
     "plain": plain_stack,
+    "interleaved": interleaved_stack,
+    "hunyuan-video": tiny_hunyuan_video,
 }

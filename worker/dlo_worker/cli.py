@@ -31,6 +31,7 @@ from dlo_worker.config import (
     execution_errors,
     flag_for,
 )
+from dlo_worker.errors import UserFixableError
 from dlo_worker.requests import GenerationRequest
 
 logger = logging.getLogger("dlo_worker.cli")
@@ -46,7 +47,7 @@ _CONFIG_GROUPS: dict[str, type[BaseModel]] = {
 _REQUEST_PREFIX = "request"
 
 
-class UsageError(Exception):
+class UsageError(UserFixableError):
     """Bad input the user can fix: reported as one line with exit status 2."""
 
 
@@ -160,12 +161,9 @@ def _command_config(args: argparse.Namespace) -> int:
 
 
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.demo_model import DemoModelExistsError, write_demo_model
+    from dlo_worker.demo_model import write_demo_model
 
-    try:
-        path = write_demo_model(Path(args.directory), seed=args.seed, overwrite=args.overwrite)
-    except DemoModelExistsError as error:
-        raise UsageError(str(error)) from None
+    path = write_demo_model(Path(args.directory), seed=args.seed, overwrite=args.overwrite)
     print(f"demo model written to {path}")
     return 0
 
@@ -186,12 +184,9 @@ def _executable_config(args: argparse.Namespace) -> WorkerConfig:
     if errors := execution_errors(config):
         raise UsageError("; ".join(errors))
 
-    from dlo_worker.loader import ModelDirectoryError, check_model_directory
+    from dlo_worker.loader import check_model_directory
 
-    try:
-        check_model_directory(config.model.model)
-    except ModelDirectoryError as error:
-        raise UsageError(str(error)) from None
+    check_model_directory(config.model.model)
     return config
 
 
@@ -199,27 +194,17 @@ def _command_generate(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     config = _executable_config(args)
 
-    from dlo_worker.devices import DeviceUnavailableError
-    from dlo_worker.distributed import TopologyError
     from dlo_worker.generate import generate_image, write_png
-    from dlo_worker.loader.checkpoint import CheckpointError
     from dlo_worker.worker import Worker
 
-    try:
-        worker = Worker(config)
-    except DeviceUnavailableError as error:
-        raise UsageError(str(error)) from None
-    try:
-        with worker:
-            rank = worker.topology.coordinates.data_parallel_rank
-            # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
-            rank_request = request.model_copy(update={"seed": request.seed + rank})
-            image = generate_image(worker.pipeline, rank_request)
-            backing = worker.backing
-            if worker.backend is not None:
-                logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
-    except (TopologyError, CheckpointError) as error:
-        raise UsageError(str(error)) from None
+    with Worker(config) as worker:
+        rank = worker.topology.coordinates.data_parallel_rank
+        # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
+        rank_request = request.model_copy(update={"seed": request.seed + rank})
+        image = generate_image(worker.pipeline, rank_request)
+        backing = worker.backing
+        if worker.backend is not None:
+            logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
     out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
     path = write_png(image, out)
     if backing is not None:
@@ -231,18 +216,12 @@ def _command_generate(args: argparse.Namespace) -> int:
 def _command_serve(args: argparse.Namespace) -> int:
     config = _executable_config(args)
 
-    from dlo_worker.devices import DeviceUnavailableError
-    from dlo_worker.distributed import TopologyError
-    from dlo_worker.loader.checkpoint import CheckpointError
-    from dlo_worker.serve import ListenError, ServeOptions, serve
+    from dlo_worker.serve import ServeOptions, serve
 
     options = ServeOptions(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests
     )
-    try:
-        serve(config, options)
-    except (DeviceUnavailableError, TopologyError, ListenError, CheckpointError) as error:
-        raise UsageError(str(error)) from None
+    serve(config, options)
     return 0
 
 
@@ -331,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         return args.handler(args)
-    except (ConfigError, UsageError) as error:
+    except UserFixableError as error:
+        # The one place user-fixable errors become exit 2 (dlo_worker.errors).
         print(f"dlo-worker {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -20,6 +20,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dlo_worker.errors import UserFixableError
+
 
 class DType(StrEnum):
     """Weight and compute dtype; ``auto`` is bfloat16 on CUDA and float32 on the CPU."""
@@ -481,7 +483,7 @@ def to_flags(config: WorkerConfig) -> list[str]:
     return flags
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, UserFixableError):
     """An invalid configuration, as one line that names the options and the fix."""
 
 

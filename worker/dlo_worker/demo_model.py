@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
+from dlo_worker.errors import UserFixableError
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +38,7 @@ class DemoModelShape:
     vae_block_out_channels: tuple[int, ...] = (32, 64, 64)
 
 
-class DemoModelExistsError(FileExistsError):
+class DemoModelExistsError(FileExistsError, UserFixableError):
     """The target directory already holds files and overwriting was not asked for."""
 
 

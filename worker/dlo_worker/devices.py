@@ -7,6 +7,7 @@ import os
 import torch
 
 from dlo_worker.config import DType, ModelOptions
+from dlo_worker.errors import UserFixableError
 
 _TORCH_DTYPES = {
     DType.BFLOAT16: torch.bfloat16,
@@ -15,7 +16,7 @@ _TORCH_DTYPES = {
 }
 
 
-class DeviceUnavailableError(RuntimeError):
+class DeviceUnavailableError(RuntimeError, UserFixableError):
     """The configured device does not exist on this machine."""
 
 

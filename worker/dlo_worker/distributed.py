@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from dlo_worker.config import ParallelOptions, ShardingGroup
+from dlo_worker.errors import UserFixableError
 
 logger = logging.getLogger(__name__)
 
 
-class TopologyError(RuntimeError):
+class TopologyError(RuntimeError, UserFixableError):
     """The launcher's world does not match the configured parallel sizes."""
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dlo_worker.errors import UserFixableError
 from dlo_worker.requests import GenerationRequest
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 
-class UnsupportedPipelineError(TypeError):
+class UnsupportedPipelineError(TypeError, UserFixableError):
     """The pipeline takes neither class labels nor a prompt."""
 
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from dlo_worker import metrics
 from dlo_worker.config import ShardingGroup, WorkerConfig
 from dlo_worker.engine import Engine, RequestQueue
+from dlo_worker.errors import UserFixableError
 from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
 from dlo_worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
-class ListenError(OSError):
+class ListenError(OSError, UserFixableError):
     """The HTTP port cannot be bound (in use, or not permitted)."""
 
 

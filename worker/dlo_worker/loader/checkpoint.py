@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from dlo_worker.errors import UserFixableError
+
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
 
@@ -36,7 +38,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ValueError, UserFixableError):
     """The checkpoint is corrupt or inconsistent; the message names the file and the fix."""
 
 

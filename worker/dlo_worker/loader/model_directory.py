@@ -11,13 +11,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dlo_worker.errors import UserFixableError
+
 if TYPE_CHECKING:
     pass
 
 logger = logging.getLogger(__name__)
 
 
-class ModelDirectoryError(ValueError):
+class ModelDirectoryError(ValueError, UserFixableError):
     """The ``--model`` directory is missing or is not a diffusers pipeline directory."""
 
 

@@ -7,10 +7,13 @@ private to the backend, and ``disable()`` is the only way out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from dlo_worker.offload.backend import (
+    BackendState,
     DistributedLayerwiseOffloadBackend,
     OffloadSetupError,
     OffloadStats,
@@ -27,19 +30,27 @@ def enable_dlo(
     use_allgather: bool = True,
     process_group: dist.ProcessGroup | None = None,
     resident_layers: int = 0,
+    block_paths: Sequence[str] | None = None,
 ) -> DistributedLayerwiseOffloadBackend:
     """Stream the DiT blocks of a diffusers pipeline or a module; returns the enabled backend.
 
     ``process_group`` is the existing group to shard host weights over (AllGather);
     ``None`` or a group of size one streams complete blocks rank-locally.
+    ``resident_layers`` blocks of each DiT stay on the device, spread evenly through it.
+    ``block_paths`` names the DiT's block lists (e.g. ``["transformer_blocks"]``) where
+    discovery cannot find them.
     """
     config = OffloadConfig(
-        use_allgather=use_allgather, process_group=process_group, resident_layers=resident_layers
+        use_allgather=use_allgather,
+        process_group=process_group,
+        resident_layers=resident_layers,
+        block_paths=tuple(block_paths) if block_paths else None,
     )
     return DistributedLayerwiseOffloadBackend(config, device).enable(model_or_pipeline)
 
 
 __all__ = [
+    "BackendState",
     "DiscoveryError",
     "DistributedLayerwiseOffloadBackend",
     "OffloadConfig",

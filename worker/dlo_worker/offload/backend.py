@@ -2,9 +2,16 @@
 
 ``enable`` discovers the DiTs and their blocks, keeps everything that is not a
 streamed block on the device, fills the host side of every streamed block,
-allocates the two shared device slots, installs the hook ring and primes the
-first block. ``disable`` synchronizes, removes the hooks and frees every buffer;
-it runs before the worker destroys any process group.
+allocates the two shared device slots, installs the hooks and primes the first
+block. ``disable`` synchronizes, removes the hooks and frees every buffer; it
+runs before the worker destroys any process group.
+
+The backend is a small state machine (:class:`BackendState`): ``enable`` moves
+``created``/``disabled`` to ``enabled`` or, if any step fails, releases what the
+earlier steps acquired (hooks, page-locked memory, packer threads, slots, the
+DiTs' mark) and lands in ``disabled`` before re-raising; ``disable`` is
+idempotent. Each DiT it streams is marked, so a second backend, diffusers' group
+offloading or accelerate's hooks on the same DiT are refused at enable time.
 
 The host side follows the loader's choice (design doc, "Host backing and transfer
 composition"):
@@ -27,31 +34,53 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.host_weight_plan import HostWeightPlan, HostWeightPlanError
+from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter
 from dlo_worker.offload.config import OffloadConfig
-from dlo_worker.offload.hooks import BlockRing
+from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host import HostArena
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
+from dlo_worker.offload.schedule import Schedule, spread_evenly
 from dlo_worker.offload.slots import SlotPair, TransferCounters
-from dlo_worker.offload.staging import HostStaging, MappedPiece, Packer, wait_all
-from dlo_worker.offload.streamed_block import StreamedBlock, StreamedParameter
+from dlo_worker.offload.staging import HostStaging, Packer, wait_all
 
 logger = logging.getLogger(__name__)
 
 
-class OffloadSetupError(RuntimeError):
+class OffloadSetupError(RuntimeError, UserFixableError):
     """The model cannot be streamed as asked (shared parameters, bad group, second enable)."""
 
 
-class UnsupportedHostBackingError(ValueError):
+class UnsupportedHostBackingError(ValueError, UserFixableError):
     """The object passed as ``plan`` is not a HostWeightPlan this backend can consume."""
+
+
+class BackendState(StrEnum):
+    CREATED = "created"
+    """Nothing held yet."""
+    ENABLED = "enabled"
+    """Hooks installed; host memory (page-locked on CUDA), packer threads and the two
+    device slots held; every streamed DiT marked."""
+    DISABLED = "disabled"
+    """Everything released (after ``disable`` or a failed ``enable``); the streamed blocks
+    hold empty placeholders, so the model must be loaded again before it runs."""
+
+
+MARK = "_dlo_backend"
+"""Attribute set on every DiT a backend streams (as diffusers marks modules with hooks)."""
+FOREIGN_HOOKS = {
+    "_diffusers_hook": "diffusers hooks (group offloading, layerwise casting, caching)",
+    "_hf_hook": "accelerate hooks (enable_model_cpu_offload, device_map)",
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +95,9 @@ class OffloadStats:
     resident_blocks: int
     blocks_loaded: int
     on_demand_loads: int
+    """Blocks that were not prefetched when they ran (the first forward of a new order)."""
+    order_changes: int
+    """Forwards whose block order differed from the learned one (then relearned)."""
     bytes_streamed: int
     """Host-to-device bytes copied by this rank."""
     allgather_bytes: int
@@ -115,6 +147,7 @@ class DistributedLayerwiseOffloadBackend:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._shards, self._rank = self._sharding()
+        self.state = BackendState.CREATED
         self._counters = TransferCounters()
         self._blocks: list[StreamedBlock] = []
         self._resident_blocks = 0
@@ -122,12 +155,14 @@ class DistributedLayerwiseOffloadBackend:
         self._staging: HostStaging | None = None
         self._packer: Packer | None = None
         self._slots: SlotPair | None = None
-        self._ring: BlockRing | None = None
+        self._hooks: BlockHooks | None = None
+        self._schedule: Schedule | None = None
         self._plan: OffloadPlan | None = None
+        self._marked: list[nn.Module] = []
 
     @property
     def enabled(self) -> bool:
-        return self._ring is not None
+        return self.state == BackendState.ENABLED
 
     @property
     def plan(self) -> OffloadPlan | None:
@@ -141,8 +176,12 @@ class DistributedLayerwiseOffloadBackend:
         return size, dist.get_rank(group)
 
     def enable(self, model_or_pipeline: object) -> DistributedLayerwiseOffloadBackend:
-        """Take over the DiT blocks of ``model_or_pipeline``; returns ``self``."""
-        if self.enabled:
+        """Take over the DiT blocks of ``model_or_pipeline``; returns ``self``.
+
+        All or nothing: if a step fails, what the earlier steps acquired is released
+        and the error propagates (the backend is then ``disabled``).
+        """
+        if self.state == BackendState.ENABLED:
             raise OffloadSetupError("DLO is already enabled on this backend; disable() it first")
         if self.host_weight_plan is not None and self.host_weight_plan.closed:
             raise HostWeightPlanError(
@@ -151,11 +190,67 @@ class DistributedLayerwiseOffloadBackend:
         started = time.perf_counter()
         plan = discover(model_or_pipeline, self.config.block_paths)
         self._check_plan_covers(plan)
-        streamed: list[tuple[DiTPlan, str, nn.Module]] = []
+        self._check_not_taken(plan)
+        self._counters = TransferCounters()
+        try:
+            self._enable(model_or_pipeline, plan)
+        except BaseException:
+            self._release()
+            self.state = BackendState.DISABLED
+            raise
+        self.state = BackendState.ENABLED
+        logger.info(
+            "dlo enabled",
+            extra={
+                "fields": {
+                    "streamed_blocks": len(self._blocks),
+                    "resident_blocks": self._resident_blocks,
+                    "shards": self._shards,
+                    "host_backing": self._host_backing,
+                    "host_gib": round(self._arena.nbytes / 2**30, 3),
+                    "staging_gib": round(self._staging.nbytes / 2**30, 3) if self._staging else 0,
+                    "pack_threads": self._packer.threads,
+                    "slot_gib": round(self._slots.device_bytes / 2**30, 3),
+                    "setup_s": round(time.perf_counter() - started, 3),
+                }
+            },
+        )
+        return self
+
+    def _check_not_taken(self, plan: OffloadPlan) -> None:
+        """Refuse a DiT another backend streams, or that carries foreign offload hooks."""
         for dit in plan.dits:
-            resident = min(self.config.resident_layers, len(dit.blocks))
-            self._resident_blocks += resident
-            streamed.extend((dit, name, block) for name, block in dit.blocks[resident:])
+            owner = getattr(dit.module, MARK, None)
+            if owner is not None and owner is not self:
+                raise OffloadSetupError(
+                    f"{dit.name} ({type(dit.module).__name__}) is already streamed by another "
+                    "DLO backend; call its disable() first (and load the model again)"
+                )
+            for module_name, module in dit.module.named_modules():
+                for attribute, what in FOREIGN_HOOKS.items():
+                    if getattr(module, attribute, None) is not None:
+                        where = f"{dit.name}.{module_name}".rstrip(".")
+                        raise OffloadSetupError(
+                            f"{where} carries {what}; DLO cannot stream a DiT another offload "
+                            "strategy manages: remove those hooks (or load the pipeline "
+                            "without them) before enabling DLO"
+                        )
+
+    def _enable(self, model_or_pipeline: object, plan: OffloadPlan) -> None:
+        """The steps of ``enable``; each acquires what ``_release`` gives back."""
+        for dit in plan.dits:
+            setattr(dit.module, MARK, self)
+            self._marked.append(dit.module)
+        streamed: list[tuple[DiTPlan, str, nn.Module]] = []
+        self._resident_blocks = 0
+        for dit in plan.dits:
+            resident = spread_evenly(len(dit.blocks), self.config.resident_layers)
+            self._resident_blocks += len(resident)
+            streamed.extend(
+                (dit, name, block)
+                for index, (name, block) in enumerate(dit.blocks)
+                if index not in resident
+            )
         resident_modules = [module for dit in plan.dits for module in dit.resident_modules]
         resident_parameter_ids = {
             id(parameter) for module in resident_modules for parameter in module.parameters()
@@ -174,7 +269,14 @@ class DistributedLayerwiseOffloadBackend:
             self._describe(dit, name, block, resident_parameter_ids)
             for dit, name, block in streamed
         ]
-        self._link_rings(plan, streamed_ids)
+        self._check_streams_something(plan)
+        by_module = {id(block.module): block for block in self._blocks}
+        self._schedule = Schedule.in_attribute_order(
+            {
+                id(dit.module): [by_module[id(m)] for _, m in dit.blocks if id(m) in by_module]
+                for dit in plan.dits
+            }
+        )
         self._packer = Packer(self.config.pack_threads)
         self._fill_host()
         _release_freed_host_memory()
@@ -202,29 +304,25 @@ class DistributedLayerwiseOffloadBackend:
             for index, slot in enumerate(self._slots.slots):
                 block.bind_slot_views(index, slot.buffers)
             block.to_placeholders(placeholders)
-        self._ring = BlockRing(self._slots, placeholders)
-        self._ring.install(self._blocks)
-        if self._blocks:
-            self._slots.load(self._blocks[0], 0)
+        self._hooks = BlockHooks(self._slots, self._schedule, placeholders)
+        self._hooks.install(self._blocks, {id(dit.module): dit.module for dit in plan.dits})
+        first = self._schedule.first()
+        if first.successor is not None:
+            self._slots.load(first.successor, 0, then=first.then)
             self._slots.last_used = 1
         self._plan = plan
-        logger.info(
-            "dlo enabled",
-            extra={
-                "fields": {
-                    "streamed_blocks": len(self._blocks),
-                    "resident_blocks": self._resident_blocks,
-                    "shards": self._shards,
-                    "host_backing": self._host_backing,
-                    "host_gib": round(self._arena.nbytes / 2**30, 3),
-                    "staging_gib": round(self._staging.nbytes / 2**30, 3) if self._staging else 0,
-                    "pack_threads": self._packer.threads,
-                    "slot_gib": round(self._slots.device_bytes / 2**30, 3),
-                    "setup_s": round(time.perf_counter() - started, 3),
-                }
-            },
+
+    def _check_streams_something(self, plan: OffloadPlan) -> None:
+        """Blocks that hold no weights would make DLO a silent no-op."""
+        if self._resident_blocks or any(block.layout.nbytes for block in self._blocks):
+            return
+        names = ", ".join(f"{dit.name} ({type(dit.module).__name__})" for dit in plan.dits)
+        paths = sorted({path for dit in plan.dits for path in dit.block_paths})
+        raise OffloadSetupError(
+            f"DLO would stream no weights for {names}: the blocks at {paths} hold no "
+            "parameters (or were already released by an earlier disable()); name the DiT's "
+            "block lists with block_paths (--dlo-block-paths), or load the model again"
         )
-        return self
 
     @staticmethod
     def _check_parameters_are_not_shared(
@@ -361,13 +459,6 @@ class DistributedLayerwiseOffloadBackend:
                 value = host_plan.tensor(dit.name, tensor_name).to(self.device, copy=True)
                 _assign_tensor(dit.module, tensor_name, value)
 
-    def _link_rings(self, plan: OffloadPlan, streamed_ids: set[int]) -> None:
-        by_module = {id(block.module): block for block in self._blocks}
-        for dit in plan.dits:
-            ring = [by_module[id(module)] for _, module in dit.blocks if id(module) in streamed_ids]
-            for position, block in enumerate(ring):
-                block.successor = ring[(position + 1) % len(ring)]
-
     def _fill_host(self) -> None:
         """Give every block its host side (see the module docstring), then drop the loader's
         copy of its parameters."""
@@ -417,17 +508,32 @@ class DistributedLayerwiseOffloadBackend:
         Streamed blocks keep empty placeholder parameters afterwards: the model
         must be loaded again to run. Call this before destroying process groups.
         """
-        if self._ring is None:
+        if self.state != BackendState.ENABLED:
             return
-        self._slots.synchronize()
-        self._ring.remove()
-        self._slots.free()
+        self._release()
+        self.state = BackendState.DISABLED
+        logger.info("dlo disabled")
+
+    def _release(self) -> None:
+        """Give back whatever is held, in reverse order of acquisition (each part optional,
+        so a half-finished enable is undone by the same code)."""
+        if self._slots is not None:
+            self._slots.synchronize()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self._slots is not None:
+            self._slots.free()
+            self._slots = None
         if self._staging is not None:
             self._staging.close()
             self._staging = None
-        self._packer.close()
-        self._packer = None
-        self._arena.close()
+        if self._packer is not None:
+            self._packer.close()
+            self._packer = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         if self.host_weight_plan is not None:
             self.host_weight_plan.close()
         for block in self._blocks:
@@ -435,15 +541,16 @@ class DistributedLayerwiseOffloadBackend:
             block.mapped.clear()
             block.slot_views[0].clear()
             block.slot_views[1].clear()
-            block.successor = None
-        self._ring = None
-        self._slots = None
-        self._arena = None
+        for module in self._marked:
+            if getattr(module, MARK, None) is self:
+                delattr(module, MARK)
+        self._marked.clear()
         self._blocks = []
+        self._schedule = None
+        self._plan = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         _release_freed_host_memory()
-        logger.info("dlo disabled")
 
     def stats(self) -> OffloadStats:
         """Counters so far; synchronizes the device to read pending timings (not a hot path)."""
@@ -459,6 +566,7 @@ class DistributedLayerwiseOffloadBackend:
             resident_blocks=self._resident_blocks,
             blocks_loaded=counters.blocks_loaded,
             on_demand_loads=counters.on_demand_loads,
+            order_changes=self._schedule.relearned if self._schedule else 0,
             bytes_streamed=counters.h2d_bytes,
             allgather_bytes=counters.allgather_bytes,
             exposed_wait_seconds=counters.exposed_wait_seconds,

@@ -1,12 +1,13 @@
-"""The per-block hot path: a circular ring of forward hooks over the streamed blocks.
+"""The per-block hot path: forward hooks on every streamed block and on every DiT.
 
-Before block ``i`` runs, its hook makes sure ``i`` sits in a slot (loading it on
-demand if the prefetch guessed wrong: a skipped block, a different DiT, the first
-call), starts prefetching its successor into the other slot, makes the compute
-stream wait for ``i``'s ready event and repoints ``i``'s parameters into the
-slot. After it runs, the slot is released and the parameters go back to
-placeholders. The successor of each DiT's last block is its first, so the first
-block of the next denoising step is already on its way.
+Before block ``i`` runs, its hook asks the :class:`~dlo_worker.offload.schedule.Schedule`
+what follows, makes sure ``i`` sits in a slot (loading it on demand if the prefetch
+guessed wrong: the first forward of a new order, a skipped block, a block run outside a
+DiT forward), starts loading the predicted successor into the other slot, makes the
+compute stream wait for ``i``'s ready event and repoints ``i``'s parameters into the
+slot. After it runs (also when its forward raised), the slot is released and the
+parameters go back to placeholders. The DiT hooks mark where a forward starts and ends,
+so the schedule can learn the order blocks really run in.
 """
 
 from __future__ import annotations
@@ -15,25 +16,51 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from dlo_worker.offload.block import StreamedBlock
+from dlo_worker.offload.schedule import Prediction, Schedule
 from dlo_worker.offload.slots import SlotPair
-from dlo_worker.offload.streamed_block import StreamedBlock
 
 
-class BlockRing:
-    """Installs and runs the hooks of every streamed block; private to the backend."""
+class BlockHooks:
+    """Installs and runs the hooks of every streamed block and DiT; private to the backend."""
 
-    def __init__(self, slots: SlotPair, placeholders: dict[torch.dtype, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        slots: SlotPair,
+        schedule: Schedule,
+        placeholders: dict[torch.dtype, torch.Tensor],
+    ) -> None:
         self._slots = slots
+        self._schedule = schedule
         self._placeholders = placeholders
         self._slot_in_use: dict[StreamedBlock, int] = {}
         self._handles: list[RemovableHandle] = []
 
-    def install(self, blocks: list[StreamedBlock]) -> None:
+    def install(self, blocks: list[StreamedBlock], dits: dict[int, nn.Module]) -> None:
         for block in blocks:
             self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(block)))
-            self._handles.append(block.module.register_forward_hook(self._post_hook(block)))
+            self._handles.append(
+                block.module.register_forward_hook(self._post_hook(block), always_call=True)
+            )
+        for key, dit in dits.items():
+            self._handles.append(
+                dit.register_forward_pre_hook(
+                    lambda _module, _args, key=key: self._prefetch(
+                        self._schedule.forward_started(key)
+                    )
+                )
+            )
+            self._handles.append(
+                dit.register_forward_hook(
+                    lambda _module, _args, _output, key=key: self._prefetch(
+                        self._schedule.forward_finished(key)
+                    ),
+                    always_call=True,
+                )
+            )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -57,19 +84,26 @@ class BlockRing:
 
         return post_forward
 
+    def _prefetch(self, prediction: Prediction) -> None:
+        """Load a DiT's first block into the free slot unless a slot already holds it."""
+        first, slots = prediction.successor, self._slots
+        if first is None or slots.index_of(first) is not None or self._slot_in_use:
+            return
+        slots.load(first, 1 - slots.last_used, then=prediction.then)
+
     def before_block(self, block: StreamedBlock) -> None:
         slots, counters = self._slots, self._slots.counters
         started = time.perf_counter()
+        prediction = self._schedule.block_started(block)
         slot_index = slots.index_of(block)
         if slot_index is None:
             # Not prefetched: load into the slot the previous block did not use.
             slot_index = 1 - slots.last_used
-            slots.load(block, slot_index)
+            slots.load(block, slot_index, then=prediction.successor)
             counters.on_demand_loads += 1
-        successor = block.successor
-        other = 1 - slot_index
+        successor, other = prediction.successor, 1 - slot_index
         if successor not in (None, block) and slots.slots[other].block is not successor:
-            slots.load(successor, other)
+            slots.load(successor, other, then=prediction.then)
         slots.wait_ready(slot_index)
         if not slots.on_cuda:
             # Synchronous copies are fully exposed on the CPU.
@@ -80,6 +114,8 @@ class BlockRing:
         self._slot_in_use[block] = slot_index
 
     def after_block(self, block: StreamedBlock) -> None:
-        slot_index = self._slot_in_use.pop(block)
-        self._slots.release(slot_index)
+        """Runs even when the block's forward raised, so the slot is never left claimed."""
+        slot_index = self._slot_in_use.pop(block, None)
+        if slot_index is not None:
+            self._slots.release(slot_index)
         block.to_placeholders(self._placeholders)

@@ -13,10 +13,12 @@ import logging
 
 import torch
 
+from dlo_worker.errors import UserFixableError
+
 logger = logging.getLogger(__name__)
 
 
-class HostRegistrationError(RuntimeError):
+class HostRegistrationError(RuntimeError, UserFixableError):
     """cudaHostRegister refused the arena (the memory cgroup or the driver said no)."""
 
 

@@ -13,10 +13,22 @@ from dataclasses import dataclass
 
 from torch import nn
 
-# Block lists per DiT class, in the order the forward pass runs them.
+from dlo_worker.errors import UserFixableError
+
+# Block lists per DiT class, nested ones included, in the order the forward pass runs them
+# (the schedule learns the real order anyway; this is its first guess).
 BLOCK_LISTS_BY_CLASS: dict[str, tuple[str, ...]] = {
     "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
-    "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
+    "HunyuanVideoTransformer3DModel": (
+        "context_embedder.token_refiner.refiner_blocks",
+        "transformer_blocks",
+        "single_transformer_blocks",
+    ),
+    "ChromaTransformer2DModel": (
+        "distilled_guidance_layer.layers",
+        "transformer_blocks",
+        "single_transformer_blocks",
+    ),
     "DiTTransformer2DModel": ("transformer_blocks",),
     "PixArtTransformer2DModel": ("transformer_blocks",),
     "SD3Transformer2DModel": ("transformer_blocks",),
@@ -39,7 +51,7 @@ RESIDENT_PATHS_BY_CLASS: dict[str, tuple[str, ...]] = {
 DIT_ATTRIBUTES = ("transformer", "transformer_2")
 
 
-class DiscoveryError(ValueError):
+class DiscoveryError(ValueError, UserFixableError):
     """No streamable block list could be identified."""
 
 
@@ -68,13 +80,18 @@ class OffloadPlan:
 
 
 def _homogeneous_block_lists(module: nn.Module) -> tuple[str, ...]:
-    """Direct non-empty ``nn.ModuleList`` children whose entries share one class."""
+    """Direct non-empty ``nn.ModuleList`` children whose entries share one class and hold
+    weights (a list of activations or dropouts has nothing to stream)."""
     paths = []
     for name, child in module.named_children():
         homogeneous = isinstance(child, nn.ModuleList) and len({type(b) for b in child}) == 1
-        if homogeneous and len(child) >= 1:
+        if homogeneous and len(child) >= 1 and _holds_parameters(child):
             paths.append(name)
     return tuple(paths)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def block_paths_for(module: nn.Module, override: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -88,13 +105,18 @@ def block_paths_for(module: nn.Module, override: Sequence[str] | None = None) ->
     if not fallback:
         raise DiscoveryError(
             f"{type(module).__name__} has no known block lists and no homogeneous "
-            "nn.ModuleList child; name them with --dlo-block-paths (e.g. transformer_blocks)"
+            "nn.ModuleList child holding weights; name them with block_paths "
+            "(--dlo-block-paths, e.g. transformer_blocks)"
         )
     return fallback
 
 
 def _plan_dit(name: str, module: nn.Module, override: Sequence[str] | None) -> DiTPlan:
     paths = block_paths_for(module, override)
+    registered = not override and type(module).__name__ in BLOCK_LISTS_BY_CLASS
+    if registered:
+        # A registered nested list is optional (a config may leave it out).
+        paths = tuple(path for path in paths if _has_submodule(module, path))
     blocks: list[tuple[str, nn.Module]] = []
     for path in paths:
         try:
@@ -109,6 +131,13 @@ def _plan_dit(name: str, module: nn.Module, override: Sequence[str] | None) -> D
                 "not an nn.ModuleList of blocks"
             )
         blocks.extend((f"{path}.{index}", block) for index, block in enumerate(block_list))
+    if not any(_holds_parameters(block) for _, block in blocks):
+        what = "are empty" if not blocks else "hold no parameters"
+        raise DiscoveryError(
+            f"{name} ({type(module).__name__}): its block lists {list(paths)} {what}, so DLO "
+            "would stream nothing; name the lists that hold the DiT's blocks with block_paths "
+            "(--dlo-block-paths), or run without DLO"
+        )
     resident = tuple(
         module.get_submodule(path)
         for path in RESIDENT_PATHS_BY_CLASS.get(type(module).__name__, ())

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dlo_worker.offload.block import StreamedBlock
 from dlo_worker.offload.staging import HostStaging
-from dlo_worker.offload.streamed_block import StreamedBlock
 
 
 @dataclass
@@ -135,15 +135,19 @@ class SlotPair:
                 return index
         return None
 
-    def load(self, block: StreamedBlock, slot_index: int) -> None:
-        """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA)."""
+    def load(
+        self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None = None
+    ) -> None:
+        """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA); ``then``
+        is the block expected after it (a staged source starts packing it once this copy
+        is enqueued). The schedule decides both."""
         slot = self.slots[slot_index]
         slot.block = block
         self.counters.blocks_loaded += 1
         if self.on_cuda:
-            self._load_cuda(block, slot, slot_index)
+            self._load_cuda(block, slot, slot_index, then)
         else:
-            self._load_synchronously(block, slot, slot_index)
+            self._load_synchronously(block, slot, slot_index, then)
 
     def _host_sources(
         self, block: StreamedBlock, slot_index: int
@@ -162,15 +166,18 @@ class SlotPair:
             self.counters.h2d_bytes += source.nbytes
 
     def _after_copy(
-        self, block: StreamedBlock, slot_index: int, copied: torch.cuda.Event | None
+        self,
+        block: StreamedBlock,
+        slot_index: int,
+        copied: torch.cuda.Event | None,
+        then: StreamedBlock | None,
     ) -> None:
         """Hand the staging buffer back and start packing the next block into the other one."""
         if not block.mapped:
             return
         self.staging.copied(slot_index, copied)
-        successor = block.successor
-        if successor is not None and successor is not block and successor.mapped:
-            self.staging.prefetch(successor, 1 - slot_index)
+        if then is not None and then is not block and then.mapped:
+            self.staging.prefetch(then, 1 - slot_index)
 
     def _gather(self, block: StreamedBlock, slot: DeviceSlot) -> None:
         for dtype, source in block.host_source.items():
@@ -182,16 +189,28 @@ class SlotPair:
             )
             self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
 
-    def _load_synchronously(self, block: StreamedBlock, slot: DeviceSlot, slot_index: int) -> None:
+    def _load_synchronously(
+        self,
+        block: StreamedBlock,
+        slot: DeviceSlot,
+        slot_index: int,
+        then: StreamedBlock | None,
+    ) -> None:
         sources = self._host_sources(block, slot_index)
         started = time.perf_counter()
         self._copy_host_to_device(sources, slot)
         self.counters.h2d_seconds += time.perf_counter() - started
-        self._after_copy(block, slot_index, None)
+        self._after_copy(block, slot_index, None, then)
         if self.shards > 1:
             self._gather(block, slot)
 
-    def _load_cuda(self, block: StreamedBlock, slot: DeviceSlot, slot_index: int) -> None:
+    def _load_cuda(
+        self,
+        block: StreamedBlock,
+        slot: DeviceSlot,
+        slot_index: int,
+        then: StreamedBlock | None,
+    ) -> None:
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
         sources = self._host_sources(block, slot_index)
         copy_started = torch.cuda.Event(enable_timing=True)
@@ -208,7 +227,7 @@ class SlotPair:
             self._copy_host_to_device(sources, slot)
             copy_finished.record()
         self.counters.pending_h2d.append((copy_started, copy_finished))
-        self._after_copy(block, slot_index, copy_finished)
+        self._after_copy(block, slot_index, copy_finished, then)
         if self.comm_stream is None:
             slot.ready.record(self.copy_stream)
             return

@@ -19,27 +19,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
+from dlo_worker.offload.block import MappedPiece, StreamedBlock
 from dlo_worker.offload.host import HostArena
 
 if TYPE_CHECKING:
     from dlo_worker.offload.slots import TransferCounters
-    from dlo_worker.offload.streamed_block import StreamedBlock
 
 CHUNK_ALIGN = 4096
 """Chunk boundaries fall on multiples of this many elements (whole cache lines, pages)."""
-
-
-class MappedPiece(NamedTuple):
-    """One parameter of a checkpoint-backed block: its flat layout range and its source view."""
-
-    offset: int
-    numel: int
-    source: torch.Tensor
-    """Flat, contiguous view of the mapped checkpoint (transform already applied)."""
 
 
 def pack_range(pieces: list[MappedPiece], start: int, stop: int, target: torch.Tensor) -> None:

@@ -1,4 +1,7 @@
-"""One streamed block: its layout, its host source, and its parameters' two lives.
+"""Plain data types of streamed blocks (a leaf module: imports nothing else of offload/
+but the pure layout).
+
+One streamed block: its layout, its host source, and its parameters' two lives.
 
 A streamed parameter is either *placeholder* (an empty tensor of its dtype on the
 device, between runs) or *materialized* (a view into one of the two device slots,
@@ -15,7 +18,15 @@ import torch
 from torch import nn
 
 from dlo_worker.offload.layout import BlockLayout
-from dlo_worker.offload.staging import MappedPiece
+
+
+class MappedPiece(NamedTuple):
+    """One parameter of a checkpoint-backed block: its flat layout range and its source view."""
+
+    offset: int
+    numel: int
+    source: torch.Tensor
+    """Flat, contiguous view of the mapped checkpoint (transform already applied)."""
 
 
 class StreamedParameter(NamedTuple):
@@ -47,8 +58,6 @@ class StreamedBlock:
         default_factory=lambda: ([], [])
     )
     """Per slot, the device view of every parameter (precomputed: no work on the hot path)."""
-    successor: StreamedBlock | None = None
-    """The block to prefetch while this one runs (the ring wraps to the first block)."""
 
     def materialize(self, slot_index: int) -> None:
         for (parameter, *_), view in zip(self.parameters, self.slot_views[slot_index], strict=True):

@@ -1,0 +1,193 @@
+"""DLO's lifecycle on the CPU: no silent no-ops, the order blocks really run, all-or-nothing
+enable, refused conflicts, repeatable enable/disable, and errors inside blocks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from dlo_worker.errors import UserFixableError
+from dlo_worker.offload import (
+    BackendState,
+    DiscoveryError,
+    DistributedLayerwiseOffloadBackend,
+    OffloadConfig,
+    OffloadSetupError,
+    enable_dlo,
+)
+from dlo_worker.offload.backend import MARK
+from dlo_worker.offload.slots import SlotPair
+from dlo_worker.offload.staging import Packer
+from tests.support.equivalence import run_equivalence
+from tests.support.tiny_models import interleaved_stack, plain_stack, tiny_flux
+
+CPU = torch.device("cpu")
+
+
+def _hooks_left(model: nn.Module) -> list[str]:
+    return [
+        name
+        for name, module in model.named_modules()
+        if module._forward_hooks or module._forward_pre_hooks
+    ]
+
+
+def _pack_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("dlo-pack")]
+
+
+def test_empty_block_lists_are_an_error_naming_the_dit_and_the_fix() -> None:
+    case = tiny_flux(double_blocks=0, single_blocks=0)
+    with pytest.raises(DiscoveryError, match=r"FluxTransformer2DModel.*empty.*block_paths"):
+        enable_dlo(case.model, device=CPU)
+    assert _hooks_left(case.model) == []
+
+
+def test_parameter_free_lists_are_not_blocks() -> None:
+    class OnlyActivations(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.activations = nn.ModuleList(nn.GELU() for _ in range(3))
+
+    with pytest.raises(DiscoveryError, match=r"no homogeneous nn.ModuleList child holding weights"):
+        enable_dlo(OnlyActivations(), device=CPU)
+    with pytest.raises(DiscoveryError, match="hold no parameters"):
+        enable_dlo(OnlyActivations(), device=CPU, block_paths=["activations"])
+    # Beside real blocks, the activations are ignored.
+    backend = enable_dlo(interleaved_stack().model, device=CPU)
+    assert {dit.block_paths for dit in backend.plan.dits} == {("spatial", "temporal")}
+    backend.disable()
+
+
+def test_errors_a_user_can_fix_share_one_base_class() -> None:
+    assert issubclass(DiscoveryError, UserFixableError)
+    assert issubclass(OffloadSetupError, UserFixableError)
+
+
+def test_an_interleaved_forward_is_prefetched_after_the_first_forward() -> None:
+    result = run_equivalence("interleaved", CPU, forwards=1)
+    first_forward_loads = result.stats.on_demand_loads
+    assert first_forward_loads > 0  # attribute order was only a guess
+    result = run_equivalence("interleaved", CPU, forwards=4)
+    assert result.bitwise_equal
+    assert result.stats.on_demand_loads == first_forward_loads  # none after the first
+    assert result.stats.order_changes == 1
+
+
+def test_a_nested_block_list_streams_in_execution_order() -> None:
+    """HunyuanVideo's token refiner blocks (a nested list) run before the main lists."""
+    result = run_equivalence("hunyuan-video", CPU)
+    assert result.bitwise_equal
+    assert result.stats.streamed_blocks == 6
+    assert result.stats.on_demand_loads == 0
+
+
+STAGES = [
+    (DistributedLayerwiseOffloadBackend, "_check_parameters_are_not_shared"),
+    (DistributedLayerwiseOffloadBackend, "_fill_host"),
+    (SlotPair, "__init__"),
+    (SlotPair, "load"),
+]
+"""Steps of enable, in order: after the mark, after the packer, after host memory, after
+the hooks were installed (priming the first block)."""
+
+
+@pytest.mark.parametrize(("owner", "step"), STAGES, ids=[step for _, step in STAGES])
+def test_a_failed_enable_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch, owner: type, step: str
+) -> None:
+    """Fault injection at one step boundary; everything acquired before it is released."""
+    case = plain_stack(blocks=4)
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError(f"injected failure in {step}")
+
+    monkeypatch.setattr(owner, step, fail)
+    backend = DistributedLayerwiseOffloadBackend(OffloadConfig(use_allgather=False), CPU)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        backend.enable(case.model)
+    assert backend.state == BackendState.DISABLED
+    assert _hooks_left(case.model) == []
+    assert _pack_threads() == []
+    assert not hasattr(case.model, MARK)
+    assert backend.stats().host_bytes == backend.stats().device_slot_bytes == 0
+
+
+def test_a_second_enable_and_foreign_offload_hooks_are_refused() -> None:
+    case = plain_stack(blocks=3)
+    backend = enable_dlo(case.model, device=CPU)
+    with pytest.raises(OffloadSetupError, match="already streamed by another DLO backend"):
+        enable_dlo(case.model, device=CPU)
+    with pytest.raises(OffloadSetupError, match="already enabled on this backend"):
+        backend.enable(case.model)
+    backend.disable()
+
+    from diffusers.hooks import apply_group_offloading
+
+    grouped = plain_stack(blocks=3).model
+    apply_group_offloading(
+        grouped, onload_device=CPU, offload_type="block_level", num_blocks_per_group=1
+    )
+    with pytest.raises(OffloadSetupError, match="diffusers hooks"):
+        enable_dlo(grouped, device=CPU)
+
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    hooked = plain_stack(blocks=3).model
+    add_hook_to_module(hooked.layers[1], ModelHook())
+    with pytest.raises(OffloadSetupError, match=r"model.layers.1 carries accelerate hooks"):
+        enable_dlo(hooked, device=CPU)
+
+
+def _counts(stats: object) -> dict:
+    timings = {"exposed_wait_seconds", "exposed_wait_seconds_per_block", "h2d_seconds", "h2d_gbps"}
+    return {k: v for k, v in dataclasses.asdict(stats).items() if k not in timings}
+
+
+def test_enable_disable_twice_gives_the_stats_of_once() -> None:
+    original = interleaved_stack()
+    models = [copy.deepcopy(original.model) for _ in range(2)]
+    backend = DistributedLayerwiseOffloadBackend(OffloadConfig(use_allgather=False), CPU)
+    counts = []
+    for model in models:
+        backend.enable(model)
+        with torch.inference_mode():
+            for _ in range(3):
+                model(**original.inputs)
+        counts.append(_counts(backend.stats()))
+        backend.disable()
+        assert backend.state == BackendState.DISABLED
+        assert _hooks_left(model) == []
+    assert counts[0] == counts[1]
+    # The disabled model holds placeholders only: enabling it again would stream nothing.
+    with pytest.raises(OffloadSetupError, match="would stream no weights"):
+        backend.enable(models[0])
+
+
+def test_an_exception_inside_a_block_leaves_the_backend_usable() -> None:
+    case = interleaved_stack()
+    resident = copy.deepcopy(case.model)
+    backend = enable_dlo(case.model, device=CPU)
+    case.model.fail_at = 1
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="block 1 failed"):
+        case.model(**case.inputs)
+    case.model.fail_at = None
+    with torch.inference_mode():
+        expected = resident(**case.inputs)
+        for _ in range(2):
+            assert torch.equal(case.model(**case.inputs), expected)
+    assert all(p.numel() == 0 for block in case.model.spatial for p in block.parameters())
+    backend.disable()
+
+
+def test_packer_threads_end_with_disable() -> None:
+    backend = enable_dlo(plain_stack(blocks=3).model, device=CPU)
+    assert isinstance(backend._packer, Packer)
+    backend.disable()
+    assert _pack_threads() == []

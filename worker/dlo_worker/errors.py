@@ -1,0 +1,13 @@
+"""The one base class of errors a user can fix (torch-free, a leaf module).
+
+Every exception that means "this input, option, file or environment is wrong, and the
+message says how to fix it" derives from :class:`UserFixableError`. The CLI maps it to
+one line on stderr and exit status 2 in one place (``dlo_worker.cli.main``); anything
+else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserFixableError(Exception):
+    """Bad input or environment; the message names the field or file and the fix."""
