@@ -171,3 +171,35 @@ def test_sigterm_disables_dlo_before_destroying_process_groups(
     assert sorted(logs) == [0, 1]
     for log in logs.values():
         assert_disable_before_teardown(log)
+
+
+def test_blocks_dlo_cannot_find_exit_2_before_weights_load(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """Discovery runs on the meta model: a wrong --dlo-block-paths is one line, exit 2."""
+    out = tmp_path / "never.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlo_worker",
+            *generate_command(
+                demo_model_dir,
+                out,
+                0,
+                "--enable-distributed-layerwise-offload",
+                "--dlo-no-use-allgather",
+                "--dlo-block-paths",
+                "pos_embed",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "pos_embed" in result.stderr
+    assert "--dlo-block-paths" in result.stderr
+    assert not out.exists()

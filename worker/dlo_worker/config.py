@@ -184,7 +184,9 @@ class OffloadOptions(_Options):
         "with an AllGather; --dlo-no-use-allgather streams complete rank-local blocks.",
     )
     dlo_resident_layers: Annotated[int, Field(ge=0)] = Field(
-        default=0, description="Leading blocks kept resident on the device (no-AllGather only)."
+        default=0,
+        description="Blocks of each DiT kept resident on the device, spread evenly through "
+        "it so streamed copies overlap resident compute (no-AllGather only).",
     )
     dlo_enable_runtime_cache: bool = Field(
         default=False,

@@ -179,6 +179,12 @@ def prepare_dit(
         refused = Rejection("format", "no safetensors checkpoint")
         return PreparedDiT(None, None, _report_fallback(component, refused, streams_dit))
     skeleton = _skeleton(model_class, component_dir, dtype)
+    if streams_dit:
+        # Block discovery on the meta model: a DiT DLO cannot stream fails before any
+        # weight is read (DiscoveryError names the fix).
+        from dlo_worker.offload.plan import discover
+
+        discover(skeleton, config.offload.dlo_block_paths)
     resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
     if not streams_dit:
         reason = "ordinary (DLO is off, nothing streams)"

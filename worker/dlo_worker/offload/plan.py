@@ -51,6 +51,9 @@ RESIDENT_PATHS_BY_CLASS: dict[str, tuple[str, ...]] = {
 DIT_ATTRIBUTES = ("transformer", "transformer_2")
 
 
+_FIX = "name the DiT's block lists with block_paths (--dlo-block-paths, e.g. transformer_blocks)"
+
+
 class DiscoveryError(ValueError, UserFixableError):
     """No streamable block list could be identified."""
 
@@ -123,12 +126,13 @@ def _plan_dit(name: str, module: nn.Module, override: Sequence[str] | None) -> D
             block_list = module.get_submodule(path)
         except AttributeError:
             raise DiscoveryError(
-                f"{type(module).__name__} has no module at {path!r} (block paths {list(paths)})"
+                f"{type(module).__name__} has no module at {path!r} (block paths "
+                f"{list(paths)}); {_FIX}"
             ) from None
         if not isinstance(block_list, nn.ModuleList):
             raise DiscoveryError(
                 f"{type(module).__name__}.{path} is a {type(block_list).__name__}, "
-                "not an nn.ModuleList of blocks"
+                f"not an nn.ModuleList of blocks; {_FIX}"
             )
         blocks.extend((f"{path}.{index}", block) for index, block in enumerate(block_list))
     if not any(_holds_parameters(block) for _, block in blocks):
