@@ -148,7 +148,17 @@ class Offload(_Api):
 
     enabled: bool = Field(default=True, description="Stream DiT blocks with DLO.")
     use_all_gather: bool = Field(default=True, description="Shard host weights over DP/SP.")
-    resident_layers: int = Field(default=0, ge=0)
+    resident_layers: int = Field(
+        default=0, ge=0, description="Blocks kept on the GPU, spread evenly (no-AllGather)."
+    )
+    gpu_memory_budget_gib: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        alias="gpuMemoryBudgetGiB",
+        description="GPU memory for the DiT's weights: non-block weights, two slots and as "
+        "many resident blocks as fit (instead of residentLayers; no-AllGather).",
+    )
     block_paths: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, description="DiT block-list attribute paths (default: discovered)."
     )

@@ -37,6 +37,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
         "enable_distributed_layerwise_offload": offload.enabled,
         "dlo_use_allgather": offload.use_all_gather,
         "dlo_resident_layers": offload.resident_layers,
+        "dlo_gpu_memory_budget_gib": offload.gpu_memory_budget_gib,
         "dlo_block_paths": tuple(offload.block_paths) if offload.block_paths else None,
         "dlo_enable_runtime_cache": cache.enabled,
         "dlo_runtime_cache_pin_limit_gib": cache.pin_limit_gib,

@@ -191,3 +191,25 @@ def test_packer_threads_end_with_disable() -> None:
     assert isinstance(backend._packer, Packer)
     backend.disable()
     assert _pack_threads() == []
+
+
+def test_a_gpu_memory_budget_keeps_as_many_blocks_resident_as_fit() -> None:
+    """Budget = non-block weights + two slots + three of the six equal blocks."""
+    case = plain_stack(blocks=6)
+    block = sum(p.numel() * p.element_size() for p in case.model.layers[0].parameters())
+    layer_ids = {id(p) for layer in case.model.layers for p in layer.parameters()}
+    non_block = sum(
+        t.numel() * t.element_size()
+        for t in [*case.model.parameters(), *case.model.buffers()]
+        if id(t) not in layer_ids
+    )
+    budget_gib = (non_block + 2 * block + 3 * block) / 2**30
+    resident = copy.deepcopy(case.model)
+    backend = enable_dlo(case.model, device=CPU, gpu_memory_budget_gib=budget_gib)
+    with torch.inference_mode():
+        assert torch.equal(case.model(**case.inputs), resident(**case.inputs))
+    stats = backend.stats()
+    backend.disable()
+    assert (stats.resident_blocks, stats.streamed_blocks) == (3, 3)
+    with pytest.raises(OffloadSetupError, match="raise it to at least"):
+        enable_dlo(plain_stack(blocks=6).model, device=CPU, gpu_memory_budget_gib=1e-6)

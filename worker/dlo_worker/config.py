@@ -188,6 +188,12 @@ class OffloadOptions(_Options):
         description="Blocks of each DiT kept resident on the device, spread evenly through "
         "it so streamed copies overlap resident compute (no-AllGather only).",
     )
+    dlo_gpu_memory_budget_gib: float | None = Field(
+        default=None,
+        description="Device memory (GiB) for the DiT's weights under DLO: non-block weights, "
+        "the two slots, and as many resident blocks as fit (spread evenly); leave the rest "
+        "of the GPU for activations and the other components (no-AllGather only).",
+    )
     dlo_enable_runtime_cache: bool = Field(
         default=False,
         description="Publish or join a node-local mmap cache of the final DiT tensors "
@@ -229,6 +235,16 @@ class OffloadOptions(_Options):
         _finite(value, "dlo_runtime_cache_lock_timeout")
         if value <= 0:
             raise ValueError(f"--dlo-runtime-cache-lock-timeout must be > 0 seconds, got {value!r}")
+        return value
+
+    @field_validator("dlo_gpu_memory_budget_gib")
+    @classmethod
+    def _budget_positive(cls, value: float | None) -> float | None:
+        if value is None:
+            return value
+        _finite(value, "dlo_gpu_memory_budget_gib")
+        if value <= 0:
+            raise ValueError(f"--dlo-gpu-memory-budget-gib must be > 0 GiB, got {value!r}")
         return value
 
     @field_validator("dlo_runtime_cache_pin_limit_gib")
@@ -286,27 +302,12 @@ def combination_errors(config: WorkerConfig) -> list[str]:
         return errors
 
     if offload.dlo_use_allgather:
-        if parallel.use_hsdp:
-            errors.append(
-                "--use-hsdp cannot be combined with DLO AllGather: HSDP already shards the "
-                "parameters and DLO would shard them twice; add --dlo-no-use-allgather"
-            )
-        if quantization not in (Quantization.NONE, Quantization.FP8):
-            errors.append(
-                f"--quantization {quantization} cannot be combined with DLO AllGather: only "
-                "per-tensor fp8 has a validated shard layout; add --dlo-no-use-allgather or "
-                "use --quantization fp8 or none"
-            )
-        if offload.dlo_resident_layers > 0:
-            errors.append(
-                "--dlo-resident-layers requires --dlo-no-use-allgather: AllGather ranks stream "
-                "every block in lockstep; add --dlo-no-use-allgather or set it to 0"
-            )
-        if offload.dlo_enable_runtime_cache:
-            errors.append(
-                "--dlo-enable-runtime-cache requires --dlo-no-use-allgather: the runtime cache "
-                "backs complete rank-local blocks; add --dlo-no-use-allgather"
-            )
+        errors += _allgather_errors(config)
+    if offload.dlo_resident_layers > 0 and offload.dlo_gpu_memory_budget_gib is not None:
+        errors.append(
+            "--dlo-resident-layers and --dlo-gpu-memory-budget-gib both choose the resident "
+            "blocks; set one of them"
+        )
     if offload.dlo_enable_runtime_cache:
         if quantization != Quantization.NONE:
             errors.append(
@@ -323,6 +324,40 @@ def combination_errors(config: WorkerConfig) -> list[str]:
         errors.append(
             "--dlo-runtime-cache-pin-limit-gib > 0 requires --dlo-enable-runtime-cache: only "
             "runtime-cache mappings are registered; add --dlo-enable-runtime-cache or set it to 0"
+        )
+    return errors
+
+
+def _allgather_errors(config: WorkerConfig) -> list[str]:
+    """Options that cannot run with DLO AllGather (sharded host weights)."""
+    parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
+    errors: list[str] = []
+    if parallel.use_hsdp:
+        errors.append(
+            "--use-hsdp cannot be combined with DLO AllGather: HSDP already shards the "
+            "parameters and DLO would shard them twice; add --dlo-no-use-allgather"
+        )
+    if quantization not in (Quantization.NONE, Quantization.FP8):
+        errors.append(
+            f"--quantization {quantization} cannot be combined with DLO AllGather: only "
+            "per-tensor fp8 has a validated shard layout; add --dlo-no-use-allgather or "
+            "use --quantization fp8 or none"
+        )
+    if offload.dlo_resident_layers > 0:
+        errors.append(
+            "--dlo-resident-layers requires --dlo-no-use-allgather: AllGather ranks stream "
+            "every block in lockstep; add --dlo-no-use-allgather or set it to 0"
+        )
+    if offload.dlo_gpu_memory_budget_gib is not None:
+        errors.append(
+            "--dlo-gpu-memory-budget-gib requires --dlo-no-use-allgather: it keeps blocks "
+            "resident, and AllGather ranks stream every block in lockstep; add "
+            "--dlo-no-use-allgather or drop it"
+        )
+    if offload.dlo_enable_runtime_cache:
+        errors.append(
+            "--dlo-enable-runtime-cache requires --dlo-no-use-allgather: the runtime cache "
+            "backs complete rank-local blocks; add --dlo-no-use-allgather"
         )
     return errors
 

@@ -30,13 +30,16 @@ def enable_dlo(
     use_allgather: bool = True,
     process_group: dist.ProcessGroup | None = None,
     resident_layers: int = 0,
+    gpu_memory_budget_gib: float | None = None,
     block_paths: Sequence[str] | None = None,
 ) -> DistributedLayerwiseOffloadBackend:
     """Stream the DiT blocks of a diffusers pipeline or a module; returns the enabled backend.
 
     ``process_group`` is the existing group to shard host weights over (AllGather);
     ``None`` or a group of size one streams complete blocks rank-locally.
-    ``resident_layers`` blocks of each DiT stay on the device, spread evenly through it.
+    ``resident_layers`` blocks of each DiT stay on the device, spread evenly through it;
+    or ``gpu_memory_budget_gib`` keeps as many as fit beside the DiT's non-block weights and
+    the two slots.
     ``block_paths`` names the DiT's block lists (e.g. ``["transformer_blocks"]``) where
     discovery cannot find them.
     """
@@ -44,6 +47,9 @@ def enable_dlo(
         use_allgather=use_allgather,
         process_group=process_group,
         resident_layers=resident_layers,
+        gpu_memory_budget_bytes=None
+        if gpu_memory_budget_gib is None
+        else int(gpu_memory_budget_gib * 2**30),
         block_paths=tuple(block_paths) if block_paths else None,
     )
     return DistributedLayerwiseOffloadBackend(config, device).enable(model_or_pipeline)

@@ -49,7 +49,7 @@ from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host import HostArena
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
-from dlo_worker.offload.schedule import Schedule, spread_evenly
+from dlo_worker.offload.schedule import Schedule, resident_within_budget, spread_evenly
 from dlo_worker.offload.slots import SlotPair, TransferCounters
 from dlo_worker.offload.staging import HostStaging, Packer, wait_all
 
@@ -241,16 +241,14 @@ class DistributedLayerwiseOffloadBackend:
         for dit in plan.dits:
             setattr(dit.module, MARK, self)
             self._marked.append(dit.module)
-        streamed: list[tuple[DiTPlan, str, nn.Module]] = []
-        self._resident_blocks = 0
-        for dit in plan.dits:
-            resident = spread_evenly(len(dit.blocks), self.config.resident_layers)
-            self._resident_blocks += len(resident)
-            streamed.extend(
-                (dit, name, block)
-                for index, (name, block) in enumerate(dit.blocks)
-                if index not in resident
-            )
+        resident = self._choose_resident(plan)
+        self._resident_blocks = len(resident)
+        streamed = [
+            (dit, name, block)
+            for dit in plan.dits
+            for name, block in dit.blocks
+            if id(block) not in resident
+        ]
         resident_modules = [module for dit in plan.dits for module in dit.resident_modules]
         resident_parameter_ids = {
             id(parameter) for module in resident_modules for parameter in module.parameters()
@@ -311,6 +309,48 @@ class DistributedLayerwiseOffloadBackend:
             self._slots.load(first.successor, 0, then=first.then)
             self._slots.last_used = 1
         self._plan = plan
+
+    def _choose_resident(self, plan: OffloadPlan) -> set[int]:
+        """Ids of the blocks that stay on the device: ``resident_layers`` per DiT, or as many
+        as the GPU memory budget holds after non-block weights and the two slots."""
+        budget = self.config.gpu_memory_budget_bytes
+        if budget is None:
+            return {
+                id(dit.blocks[index][1])
+                for dit in plan.dits
+                for index in spread_evenly(len(dit.blocks), self.config.resident_layers)
+            }
+        blocks = [block for dit in plan.dits for _, block in dit.blocks]
+        block_bytes = [_parameter_bytes(block.parameters()) for block in blocks]
+        block_ids = {id(p) for block in blocks for p in block.parameters()}
+        non_block = sum(
+            _parameter_bytes(p for p in dit.module.parameters() if id(p) not in block_ids)
+            + _parameter_bytes(dit.module.buffers())
+            for dit in plan.dits
+        )
+        slots = 2 * max(block_bytes, default=0)
+        available = budget - non_block - slots
+        if available < 0:
+            raise OffloadSetupError(
+                f"--dlo-gpu-memory-budget-gib {budget / 2**30:.2f} cannot hold the DiT's "
+                f"non-block weights ({non_block / 2**30:.2f} GiB) and the two slots "
+                f"({slots / 2**30:.2f} GiB); raise it to at least "
+                f"{(non_block + slots) / 2**30:.2f} GiB"
+            )
+        chosen = resident_within_budget(block_bytes, available)
+        logger.info(
+            "dlo residency from the budget",
+            extra={
+                "fields": {
+                    "budget_gib": round(budget / 2**30, 3),
+                    "non_block_gib": round(non_block / 2**30, 3),
+                    "slot_gib": round(slots / 2**30, 3),
+                    "resident_blocks": len(chosen),
+                    "resident_gib": round(sum(block_bytes[i] for i in chosen) / 2**30, 3),
+                }
+            },
+        )
+        return {id(blocks[index]) for index in chosen}
 
     def _check_streams_something(self, plan: OffloadPlan) -> None:
         """Blocks that hold no weights would make DLO a silent no-op."""
@@ -588,6 +628,15 @@ class DistributedLayerwiseOffloadBackend:
 
     def block_layouts(self) -> list[BlockLayout]:
         return [block.layout for block in self._blocks]
+
+
+def _parameter_bytes(tensors: object) -> int:
+    """Bytes of distinct tensors (meta tensors count by shape: nothing is allocated)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None:
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())
 
 
 def _set_parameter_data(parameter: nn.Parameter, value: torch.Tensor) -> None:

@@ -37,6 +37,9 @@ class OffloadConfig:
     process_group: dist.ProcessGroup | None = None
     """The DLO weight-sharding group; ``None`` (or size one) streams rank-locally."""
     resident_layers: int = 0
+    gpu_memory_budget_bytes: int | None = None
+    """Device bytes for the DiT weights (non-block weights, slots, resident blocks); the
+    backend keeps as many blocks resident as fit. Excludes ``resident_layers``."""
     block_paths: Sequence[str] | None = None
     """Attribute paths of the DiT's block lists, overriding discovery."""
     pack_threads: int = field(default_factory=default_pack_threads)
@@ -47,8 +50,14 @@ class OffloadConfig:
             raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
-        if self.resident_layers and self.use_allgather and self._group_size() > 1:
-            raise ValueError("resident_layers require use_allgather=False (--dlo-no-use-allgather)")
+        resident = self.resident_layers or self.gpu_memory_budget_bytes is not None
+        if resident and self.use_allgather and self._group_size() > 1:
+            raise ValueError(
+                "resident blocks (resident_layers, gpu_memory_budget_bytes) require "
+                "use_allgather=False (--dlo-no-use-allgather)"
+            )
+        if self.resident_layers and self.gpu_memory_budget_bytes is not None:
+            raise ValueError("set resident_layers or gpu_memory_budget_bytes, not both")
 
     def _group_size(self) -> int:
         return dist.get_world_size(self.process_group) if self.process_group is not None else 1
@@ -64,5 +73,8 @@ class OffloadConfig:
             use_allgather=config.offload.dlo_use_allgather,
             process_group=group if effective.dlo_sharding_size > 1 else None,
             resident_layers=config.offload.dlo_resident_layers,
+            gpu_memory_budget_bytes=None
+            if config.offload.dlo_gpu_memory_budget_gib is None
+            else int(config.offload.dlo_gpu_memory_budget_gib * 2**30),
             block_paths=config.offload.dlo_block_paths,
         )

@@ -120,3 +120,12 @@ def spread_evenly(total: int, count: int) -> set[int]:
     """
     count = min(max(count, 0), total)
     return {((2 * i + 1) * total) // (2 * count) for i in range(count)}
+
+
+def resident_within_budget(block_bytes: list[int], available_bytes: int) -> set[int]:
+    """The most blocks, spread evenly, whose bytes fit in ``available_bytes`` (pure)."""
+    for count in range(len(block_bytes), 0, -1):
+        chosen = spread_evenly(len(block_bytes), count)
+        if sum(block_bytes[index] for index in chosen) <= available_bytes:
+            return chosen
+    return set()
