@@ -6,9 +6,13 @@ process and printed as ratios against the limits of ``shared/design/ANCHORS.md``
 - resident: all weights on the GPU;
 - transfer bound: streamed block bytes / pinned H2D bandwidth measured here;
 - DLO (rank-local, or AllGather under torchrun);
-- diffusers group offload (block_level, one block per group, use_stream), the peer.
+- diffusers group offloading, the peer, in its strongest configurations (block level and
+  leaf level, both with ``use_stream`` and ``record_stream``); the best of them is the one
+  compared, and every configuration's step time and peak HBM are printed;
+- with ``--budgets``: DLO with ``gpu_memory_budget_gib`` (resident blocks spread evenly),
+  each against its own bound max(resident step, streamed bytes / H2D).
 
-One GPU:   python bench/flux_dlo.py --resolutions 1024 2048
+One GPU:   python bench/flux_dlo.py --resolutions 1024 2048 --budgets 4 8 12 16 20 24
 Two GPUs:  torchrun --nproc-per-node 2 bench/flux_dlo.py --resolutions 1024   (DP=2 AllGather)
 """
 
@@ -206,6 +210,8 @@ def run(args: argparse.Namespace) -> dict:
     del model, backend
     release(device)
 
+    if not distributed and args.budgets:
+        report["budgets"] = residency_curve(device, inputs, args, resident, bandwidth)
     if not distributed and not args.skip_diffusers:
         report["diffusers"] = diffusers_group_offload(device, inputs, args, report["results"])
     if distributed:
@@ -213,30 +219,78 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def residency_curve(device, inputs, args, resident, bandwidth) -> list[dict]:
+    """DLO under each GPU memory budget, against the bound of the residency it chose."""
+    from dlo_worker.offload import enable_dlo
+
+    rows = []
+    for budget in args.budgets:
+        model = build_flux(device)
+        release(device)
+        backend = enable_dlo(
+            model, device=device, use_allgather=False, gpu_memory_budget_gib=budget
+        )
+        streamed_bytes = sum(layout.nbytes for layout in backend.block_layouts())
+        for resolution in args.resolutions:
+            release(device)
+            step = step_seconds(model, inputs[resolution], args.repeats)
+            bound = max(resident[resolution][0], streamed_bytes / (bandwidth * 1e9))
+            rows.append(
+                {
+                    "budget_gib": budget,
+                    "resolution": resolution,
+                    "resident_blocks": backend.stats().resident_blocks,
+                    "streamed_gib": streamed_bytes / 2**30,
+                    "step_s": step,
+                    "bound_s": bound,
+                    "step_over_bound": step / bound,
+                    "peak_gib": peak_gib(device),
+                }
+            )
+        backend.disable()
+        del model, backend
+        release(device)
+    return rows
+
+
+PEER_CONFIGURATIONS = {
+    "block_level": {"offload_type": "block_level", "num_blocks_per_group": 1},
+    "leaf_level": {"offload_type": "leaf_level"},
+}
+"""diffusers' group offloading, each with use_stream=True and record_stream=True."""
+
+
 def diffusers_group_offload(device, inputs, args, results) -> dict:
     from diffusers.hooks import apply_group_offloading
 
-    model = build_flux(device).to("cpu")
-    release(device)
-    started = time.perf_counter()
-    apply_group_offloading(
-        model,
-        onload_device=device,
-        offload_type="block_level",
-        num_blocks_per_group=1,
-        use_stream=True,
-    )
-    setup_s = time.perf_counter() - started
-    peer = {"setup_s": setup_s}
-    for resolution in args.resolutions:
+    peer: dict = {}
+    for name, options in PEER_CONFIGURATIONS.items():
+        model = build_flux(device).to("cpu")
         release(device)
-        peer_s = step_seconds(model, inputs[resolution], args.repeats)
-        results[resolution]["diffusers_s"] = peer_s
-        results[resolution]["diffusers_peak_gib"] = peak_gib(device)
-        results[resolution]["dlo_over_diffusers"] = results[resolution]["dlo_s"] / peer_s
-        limit = max(results[resolution]["resident_s"], results[resolution]["transfer_bound_s"])
-        results[resolution]["diffusers_over_limit"] = peer_s / limit
-    peer["process_rss_gib"] = rss_gib()
+        started = time.perf_counter()
+        apply_group_offloading(
+            model, onload_device=device, use_stream=True, record_stream=True, **options
+        )
+        peer[name] = {"setup_s": time.perf_counter() - started}
+        for resolution in args.resolutions:
+            release(device)
+            peer[name][resolution] = {
+                "step_s": step_seconds(model, inputs[resolution], args.repeats),
+                "peak_gib": peak_gib(device),
+            }
+        peer[name]["process_rss_gib"] = rss_gib()
+        del model
+        release(device)
+    for resolution in args.resolutions:
+        best = min(PEER_CONFIGURATIONS, key=lambda name: peer[name][resolution]["step_s"])
+        row = results[resolution]
+        row["diffusers_best"] = best
+        row["diffusers_s"] = peer[best][resolution]["step_s"]
+        row["diffusers_peak_gib"] = peer[best][resolution]["peak_gib"]
+        row["dlo_over_diffusers"] = row["dlo_s"] / row["diffusers_s"]
+        row["diffusers_over_limit"] = row["diffusers_s"] / max(
+            row["resident_s"], row["transfer_bound_s"]
+        )
     return peer
 
 
@@ -262,12 +316,26 @@ def print_report(report: dict) -> None:
         )
         if "diffusers_s" in row:
             line += (
-                f" | diffusers {row['diffusers_s']:.3f} s "
+                f" | diffusers best ({row['diffusers_best']}) {row['diffusers_s']:.3f} s "
                 f"(peak {row['diffusers_peak_gib']:.1f} GiB) = "
                 f"{row['diffusers_over_limit']:.3f}x limit; "
                 f"DLO/diffusers {row['dlo_over_diffusers']:.3f}"
             )
         print(line)
+    for name, peer in report.get("diffusers", {}).items():
+        steps = ", ".join(
+            f"{r}x{r} {v['step_s']:.3f} s (peak {v['peak_gib']:.2f} GiB)"
+            for r, v in peer.items()
+            if isinstance(v, dict)
+        )
+        print(f"diffusers {name} (use_stream, record_stream): {steps}")
+    for row in report.get("budgets", []):
+        print(
+            f"budget {row['budget_gib']:g} GiB, {row['resolution']}x{row['resolution']}: "
+            f"{row['resident_blocks']} resident, {row['streamed_gib']:.2f} GiB streamed | "
+            f"step {row['step_s']:.3f} s, bound {row['bound_s']:.3f} s = "
+            f"{row['step_over_bound']:.3f}x (peak {row['peak_gib']:.1f} GiB)"
+        )
 
 
 def main() -> None:
@@ -275,6 +343,13 @@ def main() -> None:
     parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=[],
+        help="GPU memory budgets (GiB) for the residency curve (one GPU only).",
+    )
     parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
     args = parser.parse_args()
     report = run(args)
