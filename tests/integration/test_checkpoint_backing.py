@@ -21,6 +21,7 @@ from dlo_worker.config import HostBacking
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.host_weight_plan import HostWeightPlanError
+from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import transformer_outputs, worker_config
@@ -124,8 +125,22 @@ def test_a_dtype_conversion_falls_back_to_ordinary_loading(variants) -> None:
     assert pipeline.transformer.proj_out_2.weight.dtype == torch.bfloat16
 
 
-def test_failing_to_consume_a_plan_is_a_hard_error(variants) -> None:
+def test_block_paths_dlo_cannot_use_fail_before_any_weight_loads(variants) -> None:
     config = worker_config(variants["single"], dlo=True, dlo_block_paths=["no_such_blocks"])
+    with pytest.raises(DiscoveryError, match="no_such_blocks"):
+        DiffusersPipelineLoader(config, dtype=torch.float32, device=torch.device("cpu")).load()
+
+
+def test_failing_to_consume_a_plan_is_a_hard_error(
+    variants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the backend fails after the loader handed over a plan."""
+
+    def fail(*_args: object) -> None:
+        raise RuntimeError("injected: host fill failed")
+
+    monkeypatch.setattr(DistributedLayerwiseOffloadBackend, "_fill_host", fail)
+    config = worker_config(variants["single"], dlo=True)
     with pytest.raises(HostWeightPlanError, match="DiT was not loaded ordinarily"):
         run_worker(config)
 

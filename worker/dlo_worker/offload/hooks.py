@@ -37,6 +37,7 @@ class BlockHooks:
         self._schedule = schedule
         self._placeholders = placeholders
         self._slot_in_use: dict[StreamedBlock, int] = {}
+        self._predicted: dict[StreamedBlock, Prediction] = {}
         self._handles: list[RemovableHandle] = []
 
     def install(self, blocks: list[StreamedBlock], dits: dict[int, nn.Module]) -> None:
@@ -67,6 +68,7 @@ class BlockHooks:
             handle.remove()
         self._handles.clear()
         self._slot_in_use.clear()
+        self._predicted.clear()
 
     @property
     def installed(self) -> bool:
@@ -112,10 +114,23 @@ class BlockHooks:
         block.materialize(slot_index)
         slots.last_used = slot_index
         self._slot_in_use[block] = slot_index
+        self._predicted[block] = prediction
 
     def after_block(self, block: StreamedBlock) -> None:
-        """Runs even when the block's forward raised, so the slot is never left claimed."""
+        """Release the slot and refill it at once with the block after next (the copy waits
+        for the release on the copy stream). Runs even when the block's forward raised, so
+        the slot is never left claimed."""
         slot_index = self._slot_in_use.pop(block, None)
-        if slot_index is not None:
-            self._slots.release(slot_index)
+        prediction = self._predicted.pop(block, Prediction())
         block.to_placeholders(self._placeholders)
+        if slot_index is None:
+            return
+        slots = self._slots
+        slots.release(slot_index)
+        following = prediction.then
+        if (
+            following not in (None, block, prediction.successor)
+            and slots.index_of(following) is None
+            and slots.slots[1 - slot_index].block is prediction.successor
+        ):
+            slots.load(following, slot_index, then=prediction.later)

@@ -8,7 +8,8 @@ prefetched (the last block's successor is the first block of the next forward, a
 on its way during the last block). When a forward departs from the learned order, the
 recording replaces it at the end of that forward, so from the next forward on every block
 is prefetched again (``relearned`` counts these changes; a model whose order is fixed
-relearns at most once).
+relearns at most once). A slot is refilled as soon as the block in it is released: with
+resident blocks in between, the next streamed block's copy overlaps their compute too.
 
 A block that runs outside any DiT forward (a module used on its own) is loaded on demand
 and nothing is prefetched after it.
@@ -42,7 +43,10 @@ class Prediction:
     successor: StreamedBlock | None = None
     """Prefetch this into the other slot now."""
     then: StreamedBlock | None = None
-    """The block after ``successor`` (a staged host source starts packing it)."""
+    """The block after ``successor``: loaded as soon as the current block's slot is released
+    (so its copy also overlaps any resident blocks in between)."""
+    later: StreamedBlock | None = None
+    """The block after ``then`` (a staged host source starts packing it)."""
 
 
 @dataclass
@@ -99,7 +103,9 @@ class Schedule:
         if position is None:
             return Prediction()
         order.cursor = position + 1
-        return Prediction(order.after(position, 1), order.after(position, 2))
+        return Prediction(
+            order.after(position, 1), order.after(position, 2), order.after(position, 3)
+        )
 
     @staticmethod
     def _position(order: ExecutionOrder, block: StreamedBlock) -> int | None:
