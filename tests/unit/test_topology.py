@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dlo_worker.config import ParallelOptions, ShardingGroup, build_config
 from dlo_worker.distributed import group_ranks, rank_coordinates
-from dlo_worker.offload import OffloadConfig
+from dlo_worker.worker import offload_config_for
 
 
 def test_tp_is_innermost_then_sp_then_dp() -> None:
@@ -53,9 +53,9 @@ def test_offload_config_takes_the_group_the_worker_config_selects() -> None:
             },
         }
     )
-    assert OffloadConfig.from_worker_config(by_dp, groups).process_group is dp_group
-    assert OffloadConfig.from_worker_config(by_sp, groups).process_group is sp_group
-    local = OffloadConfig.from_worker_config(rank_local, groups)
+    assert offload_config_for(by_dp, groups).process_group is dp_group
+    assert offload_config_for(by_sp, groups).process_group is sp_group
+    local = offload_config_for(rank_local, groups)
     assert local.process_group is None
     assert local.resident_layers == 2
     assert local.block_paths == ("blocks", "more_blocks")

@@ -15,13 +15,14 @@ import types
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from dlo_worker.config import OffloadPolicy, WorkerConfig
+from dlo_worker.config import OffloadPolicy, ShardingGroup, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
 from dlo_worker.loader.diffusers_loader import BackingDecision, DiffusersPipelineLoader
-from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
+from dlo_worker.offload.host_source import HostWeightPlanError
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -72,7 +73,7 @@ class Worker:
         plan = loader.take_host_weight_plan()
         if self.config.effective().offload_policy != OffloadPolicy.DLO:
             return
-        offload_config = OffloadConfig.from_worker_config(self.config, self.topology.groups)
+        offload_config = offload_config_for(self.config, self.topology.groups)
         try:
             self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device, plan)
             self.backend.enable(self.pipeline)
@@ -95,3 +96,22 @@ class Worker:
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)
             self._previous_sigterm = None
+
+
+def offload_config_for(
+    config: WorkerConfig, groups: dict[ShardingGroup, dist.ProcessGroup]
+) -> OffloadConfig:
+    """The backend's configuration: the existing DP (else SP) group the worker configuration
+    selects for DLO's weight sharding, and its residency options."""
+    effective = config.effective()
+    offload = config.offload
+    group = groups.get(effective.dlo_sharding_group)
+    return OffloadConfig(
+        use_allgather=offload.dlo_use_allgather,
+        process_group=group if effective.dlo_sharding_size > 1 else None,
+        resident_layers=offload.dlo_resident_layers,
+        gpu_memory_budget_bytes=None
+        if offload.dlo_gpu_memory_budget_gib is None
+        else int(offload.dlo_gpu_memory_budget_gib * 2**30),
+        block_paths=offload.dlo_block_paths,
+    )

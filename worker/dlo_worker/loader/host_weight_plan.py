@@ -19,12 +19,11 @@ from safetensors import safe_open
 
 from dlo_worker.config import HostBacking
 from dlo_worker.loader.preflight import Binding
+from dlo_worker.offload.host_source import HostWeightPlanError
+
+__all__ = ["CheckpointMappings", "ComponentPlan", "HostWeightPlan", "HostWeightPlanError"]
 
 logger = logging.getLogger(__name__)
-
-
-class HostWeightPlanError(RuntimeError):
-    """A plan was used after it was closed, or asked for a tensor it does not bind."""
 
 
 class CheckpointMappings:

@@ -18,7 +18,8 @@ composition"):
 
 - ordinary tensors: each block is packed into a page-locked arena (complete, or
   this rank's 1/N shard for AllGather) and the loader's copy is freed;
-- a checkpoint :class:`HostWeightPlan`, AllGather: each rank packs its shard from
+- a :class:`~dlo_worker.offload.host_source.HostWeightSource` (the loader's checkpoint
+  ``HostWeightPlan``), AllGather: each rank packs its shard from
   the mapped files into the arena, then the plan's mappings are closed;
 - a checkpoint plan, rank-local: blocks keep only immutable views of the mapped
   files and are packed through two bounded pinned staging buffers per load.
@@ -42,11 +43,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dlo_worker.errors import UserFixableError
-from dlo_worker.loader.host_weight_plan import HostWeightPlan, HostWeightPlanError
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
 from dlo_worker.offload.schedule import Schedule, resident_within_budget, spread_evenly
@@ -61,7 +62,7 @@ class OffloadSetupError(RuntimeError, UserFixableError):
 
 
 class UnsupportedHostBackingError(ValueError, UserFixableError):
-    """The object passed as ``plan`` is not a HostWeightPlan this backend can consume."""
+    """The object passed as ``plan`` is not a HostWeightSource this backend can consume."""
 
 
 class BackendState(StrEnum):
@@ -134,12 +135,12 @@ class DistributedLayerwiseOffloadBackend:
         self,
         config: OffloadConfig,
         device: torch.device | str,
-        plan: HostWeightPlan | None = None,
+        plan: HostWeightSource | None = None,
     ) -> None:
-        if plan is not None and not isinstance(plan, HostWeightPlan):
+        if plan is not None and not isinstance(plan, HostWeightSource):
             raise UnsupportedHostBackingError(
-                f"plan must be the HostWeightPlan from DiffusersPipelineLoader."
-                f"take_host_weight_plan(), got {type(plan).__name__}"
+                "plan must be a HostWeightSource (e.g. DiffusersPipelineLoader."
+                f"take_host_weight_plan()), got {type(plan).__name__}"
             )
         self.config = config
         self.host_weight_plan = plan

@@ -1,8 +1,8 @@
-"""OffloadConfig: the backend's slice of the worker configuration, with live process groups.
+"""OffloadConfig: how the backend streams, with live process groups.
 
-``from_worker_config`` is where the torch-free :class:`~dlo_worker.config.WorkerConfig`
-meets the running topology: it picks the existing DP (else SP) group the
-configuration selects for DLO's weight sharding.
+It knows nothing of pipelines or of the worker's configuration (as diffusers'
+``GroupOffloadingConfig``); the worker builds one from its configuration and topology
+(:func:`dlo_worker.worker.offload_config`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-
-from dlo_worker.config import ShardingGroup, WorkerConfig
 
 MAX_PACK_THREADS = 8
 
@@ -61,20 +59,3 @@ class OffloadConfig:
 
     def _group_size(self) -> int:
         return dist.get_world_size(self.process_group) if self.process_group is not None else 1
-
-    @classmethod
-    def from_worker_config(
-        cls, config: WorkerConfig, groups: dict[ShardingGroup, dist.ProcessGroup]
-    ) -> OffloadConfig:
-        """Select the group the configuration names from the worker's existing groups."""
-        effective = config.effective()
-        group = groups.get(effective.dlo_sharding_group)
-        return cls(
-            use_allgather=config.offload.dlo_use_allgather,
-            process_group=group if effective.dlo_sharding_size > 1 else None,
-            resident_layers=config.offload.dlo_resident_layers,
-            gpu_memory_budget_bytes=None
-            if config.offload.dlo_gpu_memory_budget_gib is None
-            else int(config.offload.dlo_gpu_memory_budget_gib * 2**30),
-            block_paths=config.offload.dlo_block_paths,
-        )
