@@ -46,7 +46,7 @@ from dlo_worker.errors import UserFixableError
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.hooks import BlockHooks
-from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.host import ARENA, HostArena
 from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
@@ -293,8 +293,9 @@ class DistributedLayerwiseOffloadBackend:
             process_group=self.config.process_group if self._shards > 1 else None,
             shards=self._shards,
             counters=self._counters,
-            staging=self._staging,
         )
+        for block in self._blocks:
+            block.source = self._staging if block.mapped else ARENA
         placeholders = {
             dtype: torch.empty(0, dtype=dtype, device=self.device)
             for dtype in {dtype for layout in layouts for dtype in layout.by_dtype}
@@ -580,6 +581,7 @@ class DistributedLayerwiseOffloadBackend:
         for block in self._blocks:
             block.host_source.clear()
             block.mapped.clear()
+            block.source = None
             block.slot_views[0].clear()
             block.slot_views[1].clear()
         for module in self._marked:

@@ -12,7 +12,7 @@ hooks and ``state_dict`` keys keep working; only ``param.data`` is repointed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -41,6 +41,27 @@ class StreamedParameter(NamedTuple):
     """The parameter's name inside its block (``attn1.to_q.weight``)."""
 
 
+class HostSource(Protocol):
+    """Where a streamed block's bytes come from when a slot loads it: the private arena
+    (``host.ArenaSource``), packed staging of mapped views (``staging.HostStaging``), and
+    later a registered mapping. A new host backing is one new implementation."""
+
+    def tensors(self, block: StreamedBlock, slot_index: int) -> dict[torch.dtype, torch.Tensor]:
+        """Host tensors to copy into slot ``slot_index``, per dtype (may wait for a pack)."""
+        ...
+
+    def copied(
+        self,
+        block: StreamedBlock,
+        slot_index: int,
+        event: torch.cuda.Event | None,
+        then: StreamedBlock | None,
+    ) -> None:
+        """The copy out of ``tensors`` was enqueued (``event`` marks its end on CUDA);
+        ``then`` is the block expected after ``block``."""
+        ...
+
+
 @dataclass(eq=False)
 class StreamedBlock:
     """A block that lives on the host and visits a device slot when it runs."""
@@ -54,6 +75,8 @@ class StreamedBlock:
     """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
     mapped: dict[torch.dtype, list[MappedPiece]] = field(default_factory=dict)
     """Checkpoint-backed rank-local blocks: mapped views to pack through staging, per dtype."""
+    source: HostSource | None = None
+    """What hands the slot this block's host bytes (set by the backend once filled)."""
     slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
         default_factory=lambda: ([], [])
     )

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from dlo_worker.errors import UserFixableError
+from dlo_worker.offload.block import StreamedBlock
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +77,16 @@ class HostArena:
                     )
             self._registered.clear()
         self._tensors.clear()
+
+
+class ArenaSource:
+    """The host source of blocks packed into the arena: their range is copied as it is."""
+
+    def tensors(self, block: StreamedBlock, _slot_index: int) -> dict[torch.dtype, torch.Tensor]:
+        return block.host_source
+
+    def copied(self, *_args: object) -> None:
+        """Nothing to hand back: the arena range stays the block's."""
+
+
+ARENA = ArenaSource()

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from dlo_worker.offload.block import StreamedBlock
-from dlo_worker.offload.staging import HostStaging
 
 
 @dataclass
@@ -88,10 +87,8 @@ class SlotPair:
         process_group: dist.ProcessGroup | None,
         shards: int,
         counters: TransferCounters,
-        staging: HostStaging | None = None,
     ) -> None:
         self.device = device
-        self.staging = staging
         self.process_group = process_group
         self.shards = shards
         self.counters = counters
@@ -149,14 +146,6 @@ class SlotPair:
         else:
             self._load_synchronously(block, slot, slot_index, then)
 
-    def _host_sources(
-        self, block: StreamedBlock, slot_index: int
-    ) -> dict[torch.dtype, torch.Tensor]:
-        """The host tensors to copy: the block's arena range, or its packed staging buffer."""
-        if not block.mapped:
-            return block.host_source
-        return self.staging.packed(block, slot_index)
-
     def _copy_host_to_device(
         self, sources: dict[torch.dtype, torch.Tensor], slot: DeviceSlot
     ) -> None:
@@ -164,20 +153,6 @@ class SlotPair:
         for dtype, source in sources.items():
             targets[dtype][: source.numel()].copy_(source, non_blocking=True)
             self.counters.h2d_bytes += source.nbytes
-
-    def _after_copy(
-        self,
-        block: StreamedBlock,
-        slot_index: int,
-        copied: torch.cuda.Event | None,
-        then: StreamedBlock | None,
-    ) -> None:
-        """Hand the staging buffer back and start packing the next block into the other one."""
-        if not block.mapped:
-            return
-        self.staging.copied(slot_index, copied)
-        if then is not None and then is not block and then.mapped:
-            self.staging.prefetch(then, 1 - slot_index)
 
     def _gather(self, block: StreamedBlock, slot: DeviceSlot) -> None:
         for dtype, source in block.host_source.items():
@@ -196,11 +171,11 @@ class SlotPair:
         slot_index: int,
         then: StreamedBlock | None,
     ) -> None:
-        sources = self._host_sources(block, slot_index)
+        sources = block.source.tensors(block, slot_index)
         started = time.perf_counter()
         self._copy_host_to_device(sources, slot)
         self.counters.h2d_seconds += time.perf_counter() - started
-        self._after_copy(block, slot_index, None, then)
+        block.source.copied(block, slot_index, None, then)
         if self.shards > 1:
             self._gather(block, slot)
 
@@ -212,7 +187,7 @@ class SlotPair:
         then: StreamedBlock | None,
     ) -> None:
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
-        sources = self._host_sources(block, slot_index)
+        sources = block.source.tensors(block, slot_index)
         copy_started = torch.cuda.Event(enable_timing=True)
         copy_finished = torch.cuda.Event(enable_timing=True)
         if self.comm_stream is None:
@@ -227,7 +202,7 @@ class SlotPair:
             self._copy_host_to_device(sources, slot)
             copy_finished.record()
         self.counters.pending_h2d.append((copy_started, copy_finished))
-        self._after_copy(block, slot_index, copy_finished, then)
+        block.source.copied(block, slot_index, copy_finished, then)
         if self.comm_stream is None:
             slot.ready.record(self.copy_stream)
             return

@@ -160,9 +160,22 @@ class HostStaging:
             for dtype, layout in block.layout.by_dtype.items()
         }
 
-    def copied(self, index: int, event: torch.cuda.Event | None) -> None:
-        """The device copy out of staging ``index`` was enqueued; ``event`` marks its end."""
-        self._copied[index] = event
+    def tensors(self, block: StreamedBlock, slot_index: int) -> dict[torch.dtype, torch.Tensor]:
+        """:class:`~dlo_worker.offload.block.HostSource`: the block packed into staging."""
+        return self.packed(block, slot_index)
+
+    def copied(
+        self,
+        block: StreamedBlock,
+        slot_index: int,
+        event: torch.cuda.Event | None,
+        then: StreamedBlock | None,
+    ) -> None:
+        """The copy out of staging ``slot_index`` was enqueued (``event`` marks its end):
+        start packing ``then`` into the other buffer once its previous copy is done."""
+        self._copied[slot_index] = event
+        if then is not None and then is not block and then.source is self:
+            self.prefetch(then, 1 - slot_index)
 
     def _finish(self, index: int) -> None:
         """Wait for staging ``index``'s pending pack and count it."""
