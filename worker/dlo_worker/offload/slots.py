@@ -138,13 +138,12 @@ class SlotPair:
         """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA); ``then``
         is the block expected after it (a staged source starts packing it once this copy
         is enqueued). The schedule decides both."""
-        slot = self.slots[slot_index]
-        slot.block = block
+        self.slots[slot_index].block = block
         self.counters.blocks_loaded += 1
         if self.on_cuda:
-            self._load_cuda(block, slot, slot_index, then)
+            self._load_cuda(block, slot_index, then)
         else:
-            self._load_synchronously(block, slot, slot_index, then)
+            self._load_synchronously(block, slot_index, then)
 
     def _copy_host_to_device(
         self, sources: dict[torch.dtype, torch.Tensor], slot: DeviceSlot
@@ -165,12 +164,9 @@ class SlotPair:
             self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
 
     def _load_synchronously(
-        self,
-        block: StreamedBlock,
-        slot: DeviceSlot,
-        slot_index: int,
-        then: StreamedBlock | None,
+        self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None
     ) -> None:
+        slot = self.slots[slot_index]
         sources = block.source.tensors(block, slot_index)
         started = time.perf_counter()
         self._copy_host_to_device(sources, slot)
@@ -179,13 +175,8 @@ class SlotPair:
         if self.shards > 1:
             self._gather(block, slot)
 
-    def _load_cuda(
-        self,
-        block: StreamedBlock,
-        slot: DeviceSlot,
-        slot_index: int,
-        then: StreamedBlock | None,
-    ) -> None:
+    def _load_cuda(self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None) -> None:
+        slot = self.slots[slot_index]
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
         sources = block.source.tensors(block, slot_index)
         copy_started = torch.cuda.Event(enable_timing=True)
