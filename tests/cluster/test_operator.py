@@ -354,3 +354,49 @@ def test_events_are_posted_once_per_transition(api_client, operator, namespace) 
     assert _condition(_status(api_client, namespace, "good"), "Available") == "True"
     assert events(api_client, namespace, "bad") == ["InvalidSpec"]
     assert sorted(events(api_client, namespace, "good")) == ["EngineCreated", "EngineCreated"]
+
+
+def test_children_no_longer_rendered_are_removed(api_client, operator, namespace) -> None:
+    """An older release's per-engine budget is deleted on upgrade, and disabling the
+    NetworkPolicy deletes the policies."""
+    created = create(api_client, namespace, manifest("prune", parallelism={"data": 4}))
+    eventually(
+        lambda: _status(api_client, namespace, "prune").get("readyReplicas") == 1,
+        120,
+        "engine ready",
+    )
+    policy = client.PolicyV1Api(api_client)
+    legacy = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": "prune-e0",
+            "labels": {"dlo.dev/deployment": "prune", "dlo.dev/engine": "0"},
+            "ownerReferences": [
+                {
+                    "apiVersion": f"{GROUP}/{VERSION}",
+                    "kind": "DiffusionDeployment",
+                    "name": "prune",
+                    "uid": created["metadata"]["uid"],
+                }
+            ],
+        },
+        "spec": {"minAvailable": 2, "selector": {"matchLabels": {"dlo.dev/engine": "0"}}},
+    }
+    policy.create_namespaced_pod_disruption_budget(namespace, legacy)
+
+    def budgets() -> list[str]:
+        items = policy.list_namespaced_pod_disruption_budget(namespace).items
+        return sorted(b.metadata.name for b in items)
+
+    eventually(lambda: budgets() == ["prune"], 60, "the legacy per-engine budget deleted")
+    networking = client.NetworkingV1Api(api_client)
+    assert [p.metadata.name for p in networking.list_namespaced_network_policy(namespace).items]
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "prune", {"spec": {"networkPolicy": {"enabled": False}}}
+    )
+    eventually(
+        lambda: not networking.list_namespaced_network_policy(namespace).items,
+        60,
+        "NetworkPolicies deleted",
+    )
