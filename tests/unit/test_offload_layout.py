@@ -63,16 +63,3 @@ def test_slot_capacity_holds_the_largest_padded_block_per_dtype() -> None:
     large = build_block_layout([("w", (31,), torch.float32), ("v", (4,), torch.bfloat16)])
     assert slot_capacity([small, large], 1) == {torch.float32: 31, torch.bfloat16: 4}
     assert slot_capacity([small, large], 2) == {torch.float32: 32, torch.bfloat16: 4}
-
-
-def test_resident_blocks_are_spread_evenly_and_fit_the_budget() -> None:
-    from dlo_worker.offload.schedule import resident_within_budget, spread_evenly
-
-    assert spread_evenly(8, 2) == {2, 6}
-    assert spread_evenly(5, 0) == set()
-    assert spread_evenly(3, 9) == {0, 1, 2}
-    # Two sizes of blocks (Flux: double then single): the largest count that fits.
-    sizes = [2, 2, 2, 1, 1, 1]
-    assert resident_within_budget(sizes, 4) == {1, 3, 5}  # 2 + 1 + 1
-    assert resident_within_budget(sizes, 100) == set(range(6))
-    assert resident_within_budget(sizes, 0) == set()

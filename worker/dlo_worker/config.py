@@ -191,7 +191,8 @@ class OffloadOptions(_Options):
     dlo_gpu_memory_budget_gib: float | None = Field(
         default=None,
         description="Device memory (GiB) for the DiT's weights under DLO: non-block weights, "
-        "the two slots, and as many resident blocks as fit (spread evenly); leave the rest "
+        "the two slots, and as many resident blocks as fit (chosen so the streamed "
+        "bytes spread evenly through the forward); leave the rest "
         "of the GPU for activations and the other components (no-AllGather only).",
     )
     dlo_enable_runtime_cache: bool = Field(

@@ -39,7 +39,7 @@ def enable_dlo(
     ``None`` or a group of size one streams complete blocks rank-locally.
     ``resident_layers`` blocks of each DiT stay on the device, spread evenly through it;
     or ``gpu_memory_budget_gib`` keeps as many as fit beside the DiT's non-block weights and
-    the two slots.
+    the two slots, chosen so the streamed bytes spread evenly through the forward.
     ``block_paths`` names the DiT's block lists (e.g. ``["transformer_blocks"]``) where
     discovery cannot find them.
     """

@@ -50,7 +50,8 @@ from dlo_worker.offload.host import ARENA, HostArena
 from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
 from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
-from dlo_worker.offload.schedule import Schedule, resident_within_budget, spread_evenly
+from dlo_worker.offload.residency import resident_within_budget, spread_evenly
+from dlo_worker.offload.schedule import Schedule
 from dlo_worker.offload.slots import SlotPair, TransferCounters
 from dlo_worker.offload.staging import HostStaging, Packer, wait_all
 

@@ -115,23 +115,3 @@ class Schedule:
             if blocks[position] is block:
                 return position
         return None
-
-
-def spread_evenly(total: int, count: int) -> set[int]:
-    """Indices of ``count`` of ``total`` blocks spaced evenly through the order (pure).
-
-    Resident blocks compute while the copy engine streams the next block: spread out,
-    every streamed copy has resident compute to hide behind, whereas leading resident
-    blocks leave the copy engine idle (one prefetch slot) and later copies exposed.
-    """
-    count = min(max(count, 0), total)
-    return {((2 * i + 1) * total) // (2 * count) for i in range(count)}
-
-
-def resident_within_budget(block_bytes: list[int], available_bytes: int) -> set[int]:
-    """The most blocks, spread evenly, whose bytes fit in ``available_bytes`` (pure)."""
-    for count in range(len(block_bytes), 0, -1):
-        chosen = spread_evenly(len(block_bytes), count)
-        if sum(block_bytes[index] for index in chosen) <= available_bytes:
-            return chosen
-    return set()
