@@ -14,7 +14,8 @@ process and printed as ratios against the limits of ``shared/design/ANCHORS.md``
   and against the resident step beside copies of the same bytes;
 
 One GPU:   python bench/flux_dlo.py --resolutions 1024 2048 --budgets 4 8 12 16 20 24
-Two GPUs:  torchrun --nproc-per-node 2 bench/flux_dlo.py --resolutions 1024   (DP=2 AllGather)
+Two GPUs:  torchrun --nproc-per-node 2 bench/flux_dlo.py --resolutions 1024 --shard-buffers 2 4 6
+           (DP=2 AllGather; each shard-ring depth against the same bound)
 """
 
 from __future__ import annotations
@@ -265,9 +266,50 @@ def run(args: argparse.Namespace) -> dict:
         report["budgets"] = residency_curve(device, inputs, args, resident, bandwidth)
     if not distributed and not args.skip_diffusers:
         report["diffusers"] = diffusers_group_offload(device, inputs, args, report["results"])
+    if distributed and args.shard_buffers:
+        report["shard_buffers"] = shard_ring_curve(device, inputs, args, resident, bandwidth)
     if distributed:
         dist.destroy_process_group()
     return report
+
+
+def shard_ring_curve(device, inputs, args, resident, bandwidth) -> list[dict]:
+    """DLO AllGather with each depth of the shard ring, against the same two-GPU bound."""
+    from dlo_worker.offload import enable_dlo
+
+    rows = []
+    world = dist.get_world_size()
+    for depth in args.shard_buffers:
+        model = build_flux(device)
+        release(device)
+        backend = enable_dlo(
+            model,
+            device=device,
+            process_group=dist.group.WORLD,
+            allgather_shard_buffers=depth,
+        )
+        layouts = backend.block_layouts()
+        gather_s = allgather_seconds(max(layout.nbytes for layout in layouts), device)
+        bound_base = sum(layout.nbytes for layout in layouts) / (world * bandwidth * 1e9)
+        for resolution in args.resolutions:
+            release(device)
+            step = step_seconds(model, inputs[resolution], args.repeats)
+            limit = max(resident[resolution][0], bound_base + gather_s)
+            rows.append(
+                {
+                    "shard_buffers": depth,
+                    "resolution": resolution,
+                    "step_s": step,
+                    "limit_s": limit,
+                    "step_over_limit": step / limit,
+                    "peak_gib": peak_gib(device),
+                    "slot_and_shard_gib": backend.stats().device_slot_bytes / 2**30,
+                }
+            )
+        backend.disable()
+        del model, backend
+        release(device)
+    return rows
 
 
 def residency_curve(device, inputs, args, resident, bandwidth) -> list[dict]:
@@ -404,6 +446,13 @@ def print_report(report: dict) -> None:
             if isinstance(v, dict)
         )
         print(f"diffusers {name} (use_stream, record_stream): {steps}")
+    for row in report.get("shard_buffers", []):
+        print(
+            f"AllGather, {row['shard_buffers']} shard buffers, "
+            f"{row['resolution']}x{row['resolution']}: step {row['step_s']:.3f} s = "
+            f"{row['step_over_limit']:.3f}x limit {row['limit_s']:.3f} s (slots + shard buffers "
+            f"{row['slot_and_shard_gib']:.2f} GiB, peak {row['peak_gib']:.1f} GiB)"
+        )
     for row in report.get("budgets", []):
         print(
             f"budget {row['budget_gib']:g} GiB, {row['resolution']}x{row['resolution']}: "
@@ -426,6 +475,13 @@ def main() -> None:
         nargs="*",
         default=[],
         help="GPU memory budgets (GiB) for the residency curve (one GPU only).",
+    )
+    parser.add_argument(
+        "--shard-buffers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="Under torchrun: also run DLO AllGather with each of these shard-ring depths.",
     )
     parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
     args = parser.parse_args()

@@ -159,6 +159,13 @@ class Offload(_Api):
         description="GPU memory for the DiT's weights: non-block weights, two slots and as "
         "many resident blocks as fit (instead of residentLayers; no-AllGather).",
     )
+    all_gather_shard_buffers: int = Field(
+        default=4,
+        ge=2,
+        le=64,
+        description="AllGather: GPU buffers for this rank's block shards, copied up to this "
+        "many blocks ahead of their gather (2 uses the least GPU memory).",
+    )
     block_paths: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, description="DiT block-list attribute paths (default: discovered)."
     )

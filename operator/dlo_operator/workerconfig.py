@@ -38,6 +38,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
         "dlo_use_allgather": offload.use_all_gather,
         "dlo_resident_layers": offload.resident_layers,
         "dlo_gpu_memory_budget_gib": offload.gpu_memory_budget_gib,
+        "dlo_allgather_shard_buffers": offload.all_gather_shard_buffers,
         "dlo_block_paths": tuple(offload.block_paths) if offload.block_paths else None,
         "dlo_enable_runtime_cache": cache.enabled,
         "dlo_runtime_cache_pin_limit_gib": cache.pin_limit_gib,

@@ -34,6 +34,7 @@ def run_equivalence(
     use_allgather: bool = False,
     process_group: dist.ProcessGroup | None = None,
     resident_layers: int = 0,
+    allgather_shard_buffers: int = 4,
     forwards: int = FORWARDS,
     **builder_options: int,
 ) -> EquivalenceResult:
@@ -50,6 +51,7 @@ def run_equivalence(
         use_allgather=use_allgather,
         process_group=process_group,
         resident_layers=resident_layers,
+        allgather_shard_buffers=allgather_shard_buffers,
     )
     try:
         with torch.inference_mode():
@@ -82,7 +84,8 @@ ALLGATHER_CASES: tuple[tuple[str, dict[str, int]], ...] = (
 
 def check_allgather_rank(device: torch.device) -> list[tuple[str, dict, EquivalenceResult]]:
     """On one rank of the default group: every tiny model under DLO AllGather matches resident
-    bitwise, and this rank keeps about 1/N of the block bytes on the host."""
+    bitwise (also with a shallow and a deep shard ring), and this rank keeps about 1/N of the
+    block bytes on the host."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     results = []
     for name, options in ALLGATHER_CASES:
@@ -95,6 +98,17 @@ def check_allgather_rank(device: torch.device) -> list[tuple[str, dict, Equivale
         assert result.stats.allgather_bytes > 0
         assert result.stats.host_bytes < sum(result.block_bytes) / world_size * 1.05 + 4096
         results.append((name, options, result))
+    for depth in (2, 6):
+        result = run_equivalence(
+            "plain",
+            device,
+            use_allgather=True,
+            process_group=dist.group.WORLD,
+            allgather_shard_buffers=depth,
+            blocks=7,
+        )
+        assert result.bitwise_equal, f"{depth} shard buffers: rank {rank} differs from resident"
+        assert result.stats.on_demand_loads == 0
     return results
 
 

@@ -97,6 +97,33 @@ def test_resident_layers_are_reported_in_the_effective_config() -> None:
     assert effective.dlo_resident_layers == 2
 
 
+@pytest.mark.parametrize(
+    ("parallel", "offload"),
+    [({}, DLO), ({"data_parallel_size": 2}, NO_ALLGATHER)],
+    ids=["no-sharding-group", "no-allgather"],
+)
+def test_shard_buffers_apply_only_to_allgather_over_a_group(
+    parallel: dict[str, Any], offload: dict[str, Any]
+) -> None:
+    message = rejected(parallel=parallel, offload={**offload, "dlo_allgather_shard_buffers": 6})
+    assert "--dlo-allgather-shard-buffers applies only to DLO AllGather" in message
+
+
+@pytest.mark.parametrize("value", [1, 65])
+def test_shard_buffers_stay_between_two_and_sixty_four(value: int) -> None:
+    message = rejected(
+        parallel={"data_parallel_size": 2}, offload={**DLO, "dlo_allgather_shard_buffers": value}
+    )
+    assert "--dlo-allgather-shard-buffers" in message
+
+
+def test_shard_buffers_with_allgather_over_dp_are_accepted() -> None:
+    accepted = config(
+        parallel={"data_parallel_size": 2}, offload={**DLO, "dlo_allgather_shard_buffers": 2}
+    )
+    assert accepted.offload.dlo_allgather_shard_buffers == 2
+
+
 def test_runtime_cache_requires_no_allgather() -> None:
     message = rejected(offload={**DLO, "dlo_enable_runtime_cache": True})
     assert "--dlo-enable-runtime-cache" in message

@@ -96,6 +96,13 @@ def test_runtime_cache_needs_no_allgather_per_the_worker() -> None:
         validate(spec(offload={"runtimeCache": {"enabled": True}}))
 
 
+def test_shard_buffers_reach_the_worker_and_are_refused_without_allgather() -> None:
+    config = worker_config(spec(offload={"allGatherShardBuffers": 6}))
+    assert config.offload.dlo_allgather_shard_buffers == 6
+    with pytest.raises(InvalidSpecError, match="--dlo-allgather-shard-buffers applies only"):
+        validate(spec(offload={"useAllGather": False, "allGatherShardBuffers": 6}))
+
+
 def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:
     cache = {"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 40}}
     with pytest.raises(InvalidSpecError, match=r"resources\.memory 64Gi cannot hold"):

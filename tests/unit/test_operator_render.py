@@ -94,6 +94,7 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         ),
         spec(model={"imagePath": "/opt/model"}, dtype="bfloat16"),
         spec(offload={"useAllGather": False, "gpuMemoryBudgetGiB": 40}),
+        spec(offload={"allGatherShardBuffers": 2}),
     ):
         arguments = worker_arguments(variant)
         served = build_parser().parse_args(arguments)

@@ -195,6 +195,13 @@ class OffloadOptions(_Options):
         "bytes spread evenly through the forward); leave the rest "
         "of the GPU for activations and the other components (no-AllGather only).",
     )
+    dlo_allgather_shard_buffers: Annotated[int, Field(ge=2, le=64)] = Field(
+        default=4,
+        description="DLO AllGather: device buffers for this rank's block shards (each the "
+        "largest block / group size); shards are copied up to this many blocks before "
+        "their gather, so blocks whose copies outlast their compute borrow time from "
+        "those whose compute outlasts theirs. 2 uses the least GPU memory.",
+    )
     dlo_enable_runtime_cache: bool = Field(
         default=False,
         description="Publish or join a node-local mmap cache of the final DiT tensors "
@@ -304,6 +311,16 @@ def combination_errors(config: WorkerConfig) -> list[str]:
 
     if offload.dlo_use_allgather:
         errors += _allgather_errors(config)
+    _, sharding_size = dlo_sharding_group(parallel, offload.dlo_use_allgather)
+    if sharding_size == 1 and (
+        offload.dlo_allgather_shard_buffers != OffloadOptions().dlo_allgather_shard_buffers
+    ):
+        errors.append(
+            "--dlo-allgather-shard-buffers applies only to DLO AllGather over a DP or SP "
+            "group of more than one rank (rank-local DLO copies whole blocks into its two "
+            "slots); drop it, or use --dlo-use-allgather with --data-parallel-size or "
+            "--sequence-parallel-size > 1"
+        )
     if offload.dlo_resident_layers > 0 and offload.dlo_gpu_memory_budget_gib is not None:
         errors.append(
             "--dlo-resident-layers and --dlo-gpu-memory-budget-gib both choose the resident "

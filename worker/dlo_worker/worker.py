@@ -110,6 +110,7 @@ def offload_config_for(
         use_allgather=offload.dlo_use_allgather,
         process_group=group if effective.dlo_sharding_size > 1 else None,
         resident_layers=offload.dlo_resident_layers,
+        allgather_shard_buffers=offload.dlo_allgather_shard_buffers,
         gpu_memory_budget_bytes=None
         if offload.dlo_gpu_memory_budget_gib is None
         else int(offload.dlo_gpu_memory_budget_gib * 2**30),

@@ -32,6 +32,7 @@ def enable_dlo(
     resident_layers: int = 0,
     gpu_memory_budget_gib: float | None = None,
     block_paths: Sequence[str] | None = None,
+    allgather_shard_buffers: int = OffloadConfig.allgather_shard_buffers,
 ) -> DistributedLayerwiseOffloadBackend:
     """Stream the DiT blocks of a diffusers pipeline or a module; returns the enabled backend.
 
@@ -41,7 +42,8 @@ def enable_dlo(
     or ``gpu_memory_budget_gib`` keeps as many as fit beside the DiT's non-block weights and
     the two slots, chosen so the streamed bytes spread evenly through the forward.
     ``block_paths`` names the DiT's block lists (e.g. ``["transformer_blocks"]``) where
-    discovery cannot find them.
+    discovery cannot find them. ``allgather_shard_buffers`` (AllGather) is how many
+    blocks' shards may sit on the device between their copy and their gather.
     """
     config = OffloadConfig(
         use_allgather=use_allgather,
@@ -51,6 +53,7 @@ def enable_dlo(
         if gpu_memory_budget_gib is None
         else int(gpu_memory_budget_gib * 2**30),
         block_paths=tuple(block_paths) if block_paths else None,
+        allgather_shard_buffers=allgather_shard_buffers,
     )
     return DistributedLayerwiseOffloadBackend(config, device).enable(model_or_pipeline)
 

@@ -271,11 +271,14 @@ class DistributedLayerwiseOffloadBackend:
         ]
         self._check_streams_something(plan)
         by_module = {id(block.module): block for block in self._blocks}
+        shard_buffers = self.config.allgather_shard_buffers if self._shards > 1 else 0
         self._schedule = Schedule.in_attribute_order(
             {
                 id(dit.module): [by_module[id(m)] for _, m in dit.blocks if id(m) in by_module]
                 for dit in plan.dits
-            }
+            },
+            # The two slots hold the next two blocks; the shard buffers the ones after.
+            lookahead=shard_buffers + 2 if shard_buffers else 0,
         )
         self._packer = Packer(self.config.pack_threads)
         self._fill_host()
@@ -294,6 +297,7 @@ class DistributedLayerwiseOffloadBackend:
             process_group=self.config.process_group if self._shards > 1 else None,
             shards=self._shards,
             counters=self._counters,
+            shard_buffers=shard_buffers,
         )
         for block in self._blocks:
             block.source = self._staging if block.mapped else ARENA

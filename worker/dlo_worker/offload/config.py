@@ -40,12 +40,20 @@ class OffloadConfig:
     backend keeps as many blocks resident as fit. Excludes ``resident_layers``."""
     block_paths: Sequence[str] | None = None
     """Attribute paths of the DiT's block lists, overriding discovery."""
+    allgather_shard_buffers: int = 4
+    """Device buffers for this rank's shards (AllGather; each the largest block / group
+    size): shards are copied up to this many blocks before their gather, so blocks whose
+    copies outlast their compute borrow time from blocks whose compute outlasts theirs."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers < 0:
             raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+        if self.allgather_shard_buffers < 2:
+            raise ValueError(
+                f"allgather_shard_buffers must be >= 2, got {self.allgather_shard_buffers}"
+            )
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
         resident = self.resident_layers or self.gpu_memory_budget_bytes is not None

@@ -106,6 +106,8 @@ class BlockHooks:
         successor, other = prediction.successor, 1 - slot_index
         if successor not in (None, block) and slots.slots[other].block is not successor:
             slots.load(successor, other, then=prediction.then)
+        if slots.shards > 1:
+            slots.stage_ahead(prediction.ahead)
         slots.wait_ready(slot_index)
         if not slots.on_cuda:
             # Synchronous copies are fully exposed on the CPU.

@@ -10,6 +10,9 @@ recording replaces it at the end of that forward, so from the next forward on ev
 is prefetched again (``relearned`` counts these changes; a model whose order is fixed
 relearns at most once). A slot is refilled as soon as the block in it is released: with
 resident blocks in between, the next streamed block's copy overlaps their compute too.
+With AllGather, the shards of the next ``lookahead`` blocks are copied early (``ahead``):
+blocks whose copies outlast their compute (Flux's double-stream blocks over two GPUs)
+then borrow copy time from blocks whose compute outlasts their copies.
 
 A block that runs outside any DiT forward (a module used on its own) is loaded on demand
 and nothing is prefetched after it.
@@ -47,6 +50,8 @@ class Prediction:
     (so its copy also overlaps any resident blocks in between)."""
     later: StreamedBlock | None = None
     """The block after ``then`` (a staged host source starts packing it)."""
+    ahead: tuple[StreamedBlock, ...] = ()
+    """The next ``lookahead`` blocks, nearest first (AllGather copies their shards early)."""
 
 
 @dataclass
@@ -55,12 +60,19 @@ class Schedule:
 
     orders: dict[int, ExecutionOrder]
     """By ``id`` of the DiT module."""
+    lookahead: int = 0
+    """How many upcoming blocks each prediction lists in ``ahead``."""
     relearned: int = 0
     _active: ExecutionOrder | None = field(default=None, repr=False)
 
     @classmethod
-    def in_attribute_order(cls, dits: dict[int, list[StreamedBlock]]) -> Schedule:
-        return cls({key: ExecutionOrder(list(blocks)) for key, blocks in dits.items() if blocks})
+    def in_attribute_order(
+        cls, dits: dict[int, list[StreamedBlock]], *, lookahead: int = 0
+    ) -> Schedule:
+        return cls(
+            {key: ExecutionOrder(list(blocks)) for key, blocks in dits.items() if blocks},
+            lookahead=lookahead,
+        )
 
     def first(self) -> Prediction:
         """The block to prime before the first forward (the first DiT's first block)."""
@@ -104,7 +116,10 @@ class Schedule:
             return Prediction()
         order.cursor = position + 1
         return Prediction(
-            order.after(position, 1), order.after(position, 2), order.after(position, 3)
+            order.after(position, 1),
+            order.after(position, 2),
+            order.after(position, 3),
+            tuple(order.after(position, step) for step in range(1, self.lookahead + 1)),
         )
 
     @staticmethod

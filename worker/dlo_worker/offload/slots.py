@@ -5,11 +5,11 @@ Exactly two slots exist per backend, each sized for the largest streamed block
 ``released -> loading -> ready -> in use -> released``:
 
 - *load*: rank-local, the copy stream waits until compute released the slot and
-  copies the block host-to-device. With AllGather, the copy stream moves this
-  rank's shard into the slot's staging buffer as soon as the previous gather from
-  it finished (overlapping compute that still reads the slot), and the
-  communication stream waits for the release before rebuilding the full block
-  with ``all_gather_into_tensor``. An event marks the slot ready.
+  copies the block host-to-device. With AllGather, this rank's shard is copied into
+  one of a ring of shard buffers (:class:`ShardBuffer`), possibly several blocks
+  early (``stage``), and the communication stream waits for the release before
+  rebuilding the full block in the slot with ``all_gather_into_tensor``. An event
+  marks the slot ready.
 - *use*: the compute stream waits on that event (never the host), so copies of
   block ``i + 1`` overlap compute of block ``i``.
 - *release*: after the block ran, an event on the compute stream tells the next
@@ -70,10 +70,23 @@ class DeviceSlot:
     """One device buffer per dtype, plus the state of the block it holds."""
 
     buffers: dict[torch.dtype, torch.Tensor]
-    shard_staging: dict[torch.dtype, torch.Tensor]
     block: StreamedBlock | None = None
     ready: torch.cuda.Event | None = None
     released: torch.cuda.Event | None = None
+
+
+@dataclass(eq=False)
+class ShardBuffer:
+    """A device buffer per dtype for this rank's shard of one block (AllGather), between
+    its host-to-device copy and the gather that rebuilds the block in a slot."""
+
+    buffers: dict[torch.dtype, torch.Tensor]
+    block: StreamedBlock | None = None
+    """The block staged here and not gathered yet; ``None`` when the buffer is free."""
+    staged: torch.cuda.Event | None = None
+    """Recorded when the copy into the buffer is done."""
+    consumed: torch.cuda.Event | None = None
+    """Recorded when the last gather out of the buffer is done (the next copy waits)."""
 
 
 class SlotPair:
@@ -87,28 +100,33 @@ class SlotPair:
         process_group: dist.ProcessGroup | None,
         shards: int,
         counters: TransferCounters,
+        shard_buffers: int = 2,
     ) -> None:
         self.device = device
         self.process_group = process_group
         self.shards = shards
         self.counters = counters
         self.on_cuda = device.type == "cuda"
-        staging_capacity = {dtype: -(-numel // shards) for dtype, numel in capacity.items()}
         self.slots = tuple(
             DeviceSlot(
                 buffers={
                     dtype: torch.empty(numel, dtype=dtype, device=device)
                     for dtype, numel in capacity.items()
-                },
-                shard_staging={
-                    dtype: torch.empty(numel, dtype=dtype, device=device)
-                    for dtype, numel in staging_capacity.items()
                 }
-                if shards > 1
-                else {},
             )
             for _ in range(2)
         )
+        shard_capacity = {dtype: -(-numel // shards) for dtype, numel in capacity.items()}
+        self.shard_ring = [
+            ShardBuffer(
+                {
+                    dtype: torch.empty(numel, dtype=dtype, device=device)
+                    for dtype, numel in shard_capacity.items()
+                }
+            )
+            for _ in range(shard_buffers if shards > 1 else 0)
+        ]
+        self._next_shard_buffer = 0
         self.last_used = 1
         if self.on_cuda:
             self.copy_stream = torch.cuda.Stream(device)
@@ -116,14 +134,16 @@ class SlotPair:
             for slot in self.slots:
                 slot.ready = torch.cuda.Event()
                 slot.released = torch.cuda.Event()
+            for buffer in self.shard_ring:
+                buffer.staged = torch.cuda.Event()
+                buffer.consumed = torch.cuda.Event()
 
     @property
     def device_bytes(self) -> int:
         return sum(
             tensor.nbytes
-            for slot in self.slots
-            for tensors in (slot.buffers, slot.shard_staging)
-            for tensor in tensors.values()
+            for holder in (*self.slots, *self.shard_ring)
+            for tensor in holder.buffers.values()
         )
 
     def index_of(self, block: StreamedBlock) -> int | None:
@@ -140,68 +160,115 @@ class SlotPair:
         is enqueued). The schedule decides both."""
         self.slots[slot_index].block = block
         self.counters.blocks_loaded += 1
-        if self.on_cuda:
+        if self.shards > 1:
+            self._gather(block, slot_index)
+        elif self.on_cuda:
             self._load_cuda(block, slot_index, then)
         else:
             self._load_synchronously(block, slot_index, then)
 
     def _copy_host_to_device(
-        self, sources: dict[torch.dtype, torch.Tensor], slot: DeviceSlot
+        self, sources: dict[torch.dtype, torch.Tensor], targets: dict[torch.dtype, torch.Tensor]
     ) -> None:
-        targets = slot.shard_staging if self.shards > 1 else slot.buffers
         for dtype, source in sources.items():
             targets[dtype][: source.numel()].copy_(source, non_blocking=True)
             self.counters.h2d_bytes += source.nbytes
 
-    def _gather(self, block: StreamedBlock, slot: DeviceSlot) -> None:
-        for dtype, source in block.host_source.items():
-            shard = source.numel()
-            dist.all_gather_into_tensor(
-                slot.buffers[dtype][: shard * self.shards],
-                slot.shard_staging[dtype][:shard],
-                group=self.process_group,
-            )
-            self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
-
     def _load_synchronously(
         self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None
     ) -> None:
-        slot = self.slots[slot_index]
         sources = block.source.tensors(block, slot_index)
         started = time.perf_counter()
-        self._copy_host_to_device(sources, slot)
+        self._copy_host_to_device(sources, self.slots[slot_index].buffers)
         self.counters.h2d_seconds += time.perf_counter() - started
         block.source.copied(block, slot_index, None, then)
-        if self.shards > 1:
-            self._gather(block, slot)
 
     def _load_cuda(self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None) -> None:
         slot = self.slots[slot_index]
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
         sources = block.source.tensors(block, slot_index)
+        # The copy lands in the slot itself: wait until compute released it.
+        self.copy_stream.wait_event(slot.released)
+        copy_finished = self._timed_copy(sources, slot.buffers)
+        block.source.copied(block, slot_index, copy_finished, then)
+        slot.ready.record(self.copy_stream)
+
+    def _timed_copy(
+        self, sources: dict[torch.dtype, torch.Tensor], targets: dict[torch.dtype, torch.Tensor]
+    ) -> torch.cuda.Event:
+        """Copy on the copy stream between two timing events; returns the end event."""
         copy_started = torch.cuda.Event(enable_timing=True)
         copy_finished = torch.cuda.Event(enable_timing=True)
-        if self.comm_stream is None:
-            # The copy lands in the slot itself: wait until compute released it.
-            self.copy_stream.wait_event(slot.released)
-        else:
-            # The copy lands in the slot's shard staging, free once its last gather ran,
-            # so the next shard's H2D overlaps the compute still reading the slot.
-            self.copy_stream.wait_event(slot.ready)
         with torch.cuda.stream(self.copy_stream):
             copy_started.record()
-            self._copy_host_to_device(sources, slot)
+            self._copy_host_to_device(sources, targets)
             copy_finished.record()
         self.counters.pending_h2d.append((copy_started, copy_finished))
-        block.source.copied(block, slot_index, copy_finished, then)
-        if self.comm_stream is None:
-            slot.ready.record(self.copy_stream)
-            return
-        self.comm_stream.wait_event(copy_finished)
-        self.comm_stream.wait_event(slot.released)
-        with torch.cuda.stream(self.comm_stream):
-            self._gather(block, slot)
-        slot.ready.record(self.comm_stream)
+        return copy_finished
+
+    def stage(self, block: StreamedBlock, *, evict: bool = False) -> ShardBuffer | None:
+        """Copy this rank's shard of ``block`` into a free shard buffer (AllGather).
+
+        Returns the buffer (also when the shard is already staged), or ``None`` when every
+        buffer holds a shard not gathered yet and ``evict`` is false. With ``evict`` (a
+        load that cannot wait), the next buffer of the ring is taken over; its block is
+        copied again when it is loaded. AllGather shards always come from the private
+        arena (``block.host_source``): checkpoint plans are packed into it.
+        """
+        for buffer in self.shard_ring:
+            if buffer.block is block:
+                return buffer
+        ring = len(self.shard_ring)
+        order = [(self._next_shard_buffer + step) % ring for step in range(ring)]
+        free = [index for index in order if self.shard_ring[index].block is None]
+        if not free and not evict:
+            return None
+        index = free[0] if free else order[0]
+        self._next_shard_buffer = (index + 1) % ring
+        buffer = self.shard_ring[index]
+        buffer.block = block
+        if not self.on_cuda:
+            started = time.perf_counter()
+            self._copy_host_to_device(block.host_source, buffer.buffers)
+            self.counters.h2d_seconds += time.perf_counter() - started
+            return buffer
+        # Free once its last gather ran: the copy overlaps compute that reads the slots.
+        self.copy_stream.wait_event(buffer.consumed)
+        self._timed_copy(block.host_source, buffer.buffers)
+        buffer.staged.record(self.copy_stream)
+        return buffer
+
+    def stage_ahead(self, upcoming: tuple[StreamedBlock, ...]) -> None:
+        """Copy the shards of ``upcoming`` blocks (nearest first) while buffers are free;
+        a block already in a slot needs none."""
+        for block in upcoming:
+            if self.index_of(block) is None and self.stage(block) is None:
+                return
+
+    def _gather(self, block: StreamedBlock, slot_index: int) -> None:
+        """Rebuild ``block`` in the slot from every rank's shard, once compute released it."""
+        slot = self.slots[slot_index]
+        buffer = self.stage(block, evict=True)
+        if self.on_cuda:
+            self.comm_stream.wait_event(buffer.staged)
+            self.comm_stream.wait_event(slot.released)
+            with torch.cuda.stream(self.comm_stream):
+                self._all_gather(block, buffer, slot)
+            slot.ready.record(self.comm_stream)
+            buffer.consumed.record(self.comm_stream)
+        else:
+            self._all_gather(block, buffer, slot)
+        buffer.block = None
+
+    def _all_gather(self, block: StreamedBlock, buffer: ShardBuffer, slot: DeviceSlot) -> None:
+        for dtype, source in block.host_source.items():
+            shard = source.numel()
+            dist.all_gather_into_tensor(
+                slot.buffers[dtype][: shard * self.shards],
+                buffer.buffers[dtype][:shard],
+                group=self.process_group,
+            )
+            self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
 
     def wait_ready(self, slot_index: int) -> None:
         """Order the current (compute) stream after the slot's load; time the stall."""
@@ -228,7 +295,6 @@ class SlotPair:
             self.counters.drain(block=True)
 
     def free(self) -> None:
-        for slot in self.slots:
-            slot.buffers.clear()
-            slot.shard_staging.clear()
-            slot.block = None
+        for holder in (*self.slots, *self.shard_ring):
+            holder.buffers.clear()
+            holder.block = None
