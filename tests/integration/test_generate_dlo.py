@@ -6,8 +6,6 @@ seed + rank, so its image must equal a resident run with that seed.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import signal
 import subprocess
 import sys
@@ -16,39 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.generate import ENV, STEPS, digest, generate_argv, generate_command
 from tests.support.launch import rank_logs, torchrun_command
-
-STEPS = "4"
-# One thread everywhere: torchrun's default, and a fixed reduction order for the CPU kernels.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def generate_command(model: Path, out: Path, seed: int, *flags: str) -> list[str]:
-    return [
-        "generate",
-        "--model",
-        str(model),
-        "--steps",
-        STEPS,
-        "--seed",
-        str(seed),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--log-level",
-        "info",
-        *flags,
-    ]
 
 
 def run_single(model: Path, out: Path, seed: int, *flags: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "dlo_worker", *generate_command(model, out, seed, *flags)],
+        generate_argv(model, out, seed, *flags),
         env=ENV,
         capture_output=True,
         text=True,

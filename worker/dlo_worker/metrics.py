@@ -34,7 +34,23 @@ READY = Gauge("dlo_ready", "1 when the worker is loaded and accepting requests."
 HOST_BACKING_FALLBACKS = Counter(
     "dlo_host_backing_fallbacks",
     "DiT components whose checkpoint mmap preflight failed and that loaded ordinarily, "
-    "by reason (topology, missing, ambiguous, mixed, dtype, keep-fp32, format, class).",
+    "and starts whose runtime cache fell back to the ordinary tensors, by reason "
+    "(topology, runtime-cache-preferred, missing, ambiguous, mixed, dtype, keep-fp32, format, "
+    "class; cache-lock-timeout, cache-corrupt, cache-disk-full, cache-read-only, cache-layout, "
+    "cache-error).",
     ["reason"],
+)
+RUNTIME_CACHE_STARTS = Counter(
+    "dlo_runtime_cache_starts",
+    "Starts with the runtime cache enabled, by result (built, joined, fallback).",
+    ["result"],
+)
+RUNTIME_CACHE_BUILD_SECONDS = Histogram(
+    "dlo_runtime_cache_build_seconds",
+    "Time to hash, write and publish a runtime-cache entry.",
+    buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1200),
+)
+RUNTIME_CACHE_BYTES = Counter(
+    "dlo_runtime_cache_written_bytes", "Bytes of runtime-cache entries this process published."
 )
 HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")

@@ -27,12 +27,18 @@ import torch
 from torch import nn
 
 from dlo_worker import metrics
-from dlo_worker.config import HostBacking, OffloadPolicy, WorkerConfig
+from dlo_worker.config import (
+    HostBacking,
+    OffloadPolicy,
+    WorkerConfig,
+    default_runtime_cache_root,
+)
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import read_checkpoint_index
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
 from dlo_worker.loader.model_directory import check_model_directory, quiet_diffusers_handlers
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
+from dlo_worker.runtime_cache import CacheRequest, RuntimeCacheEntry, attach_runtime_cache
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -70,10 +76,10 @@ class DiffusersPipelineLoader:
         self.device = device
         self.streams_dit = config.effective().offload_policy == OffloadPolicy.DLO
         self.decision: BackingDecision | None = None
-        self._plan: HostWeightPlan | None = None
+        self._plan: HostWeightPlan | RuntimeCacheEntry | None = None
         self._loaded = False
 
-    def take_host_weight_plan(self) -> HostWeightPlan | None:
+    def take_host_weight_plan(self) -> HostWeightPlan | RuntimeCacheEntry | None:
         """The plan, transferring ownership to the caller; every later call returns None."""
         plan, self._plan = self._plan, None
         return plan
@@ -91,6 +97,7 @@ class DiffusersPipelineLoader:
         index = json.loads((self.model_dir / "model_index.json").read_text())
         prebuilt: dict[str, nn.Module] = {}
         planned: dict[str, ComponentPlan] = {}
+        adapters: dict[str, tuple[str, ...]] = {}
         reasons: list[str] = []
         for component in DIT_COMPONENTS:
             entry = index.get(component)
@@ -101,6 +108,7 @@ class DiffusersPipelineLoader:
                 prebuilt[component] = prepared.module
             if prepared.plan is not None:
                 planned[component] = prepared.plan
+            adapters[component] = prepared.adapters
             reasons.append(f"{component}: {prepared.reason}")
 
         pipeline = DiffusionPipeline.from_pretrained(
@@ -110,11 +118,23 @@ class DiffusersPipelineLoader:
             if isinstance(component, nn.Module) and name not in planned:
                 streamed_later = self.streams_dit and name in DIT_COMPONENTS
                 component.to(torch.device("cpu") if streamed_later else self.device)
+        backing = HostBacking.ORDINARY
         if planned:
             self._plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, planned)
+            backing = HostBacking.CHECKPOINT_MMAP
+        elif self._uses_runtime_cache():
+            dits = [
+                (name, module)
+                for name in DIT_COMPONENTS
+                if isinstance(module := pipeline.components.get(name), nn.Module)
+            ]
+            entry, reason = attach_runtime_cache(self._cache_request(adapters), dits)
+            reasons.append(reason)
+            if entry is not None:
+                self._plan = entry
+                backing = HostBacking.RUNTIME_CACHE
         self.decision = BackingDecision(
-            HostBacking.CHECKPOINT_MMAP if planned else HostBacking.ORDINARY,
-            "; ".join(reasons) or "the pipeline has no diffusers DiT component",
+            backing, "; ".join(reasons) or "the pipeline has no diffusers DiT component"
         )
         logger.info(
             "pipeline loaded",
@@ -130,6 +150,24 @@ class DiffusersPipelineLoader:
             },
         )
         return pipeline
+
+    def _uses_runtime_cache(self) -> bool:
+        """Rank-local DLO with the runtime cache among the host backings (a checkpoint plan,
+        when preflight proved one, shares the checkpoint's own pages instead)."""
+        effective = self.config.effective()
+        return self.streams_dit and HostBacking.RUNTIME_CACHE in effective.host_backing_candidates
+
+    def _cache_request(self, adapters: dict[str, tuple[str, ...]]) -> CacheRequest:
+        offload, parallel = self.config.offload, self.config.parallel
+        return CacheRequest(
+            root=offload.dlo_runtime_cache_root or default_runtime_cache_root(),
+            lock_timeout=offload.dlo_runtime_cache_lock_timeout,
+            block_paths=offload.dlo_block_paths,
+            adapters=adapters,
+            # This release runs TP 1 only (execution_errors refuses more).
+            tensor_parallel=(parallel.tensor_parallel_size, 0),
+            sequence_parallel_size=parallel.sequence_parallel_size,
+        )
 
     def _prepare_dit(self, component: str, class_name: str) -> PreparedDiT:
         import diffusers
@@ -156,6 +194,8 @@ class PreparedDiT:
     for diffusers' ordinary loader."""
     plan: ComponentPlan | None
     reason: str
+    adapters: tuple[str, ...] = ()
+    """Checkpoint adapters the ordinary path loaded it through (part of a cache identity)."""
 
 
 def prepare_dit(
@@ -202,7 +242,9 @@ def prepare_dit(
         reason = _report_fallback(component, refused, streams_dit)
     if resolution.complete and resolution.adapters:
         # diffusers cannot read an adapted layout: load it privately through the adapter.
-        return PreparedDiT(_materialize(skeleton, resolution), None, reason)
+        return PreparedDiT(
+            _materialize(skeleton, resolution), None, reason, tuple(resolution.adapters)
+        )
     return PreparedDiT(None, None, reason)
 
 

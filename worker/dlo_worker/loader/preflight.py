@@ -102,15 +102,28 @@ def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def rejection(config: WorkerConfig, resolution: Resolution) -> Rejection | None:
-    """Why this resolution cannot back a checkpoint plan, or None when preflight passes."""
-    effective = config.effective()
-    if HostBacking.CHECKPOINT_MMAP not in effective.host_backing_candidates:
-        allowed = ", ".join(effective.host_backing_candidates)
+def _backing_rejection(config: WorkerConfig) -> Rejection | None:
+    """Why the configuration rules checkpoint mmap out before any tensor is looked at."""
+    candidates = config.effective().host_backing_candidates
+    if candidates[0] == HostBacking.RUNTIME_CACHE:
+        return Rejection(
+            "runtime-cache-preferred",
+            "--dlo-runtime-cache-pin-limit-gib > 0 selects the transform-complete runtime cache "
+            "over checkpoint mmap",
+        )
+    if HostBacking.CHECKPOINT_MMAP not in candidates:
+        allowed = ", ".join(candidates)
         return Rejection(
             "topology",
             f"checkpoint mmap needs TP 1, no HSDP and no online quantization (allowed: {allowed})",
         )
+    return None
+
+
+def rejection(config: WorkerConfig, resolution: Resolution) -> Rejection | None:
+    """Why this resolution cannot back a checkpoint plan, or None when preflight passes."""
+    if (refused := _backing_rejection(config)) is not None:
+        return refused
     if resolution.missing:
         return Rejection(
             "missing", f"runtime tensors without a checkpoint source: {_first(resolution.missing)}"

@@ -43,12 +43,18 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dlo_worker.errors import UserFixableError
-from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter
+from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter, coalesce
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host import ARENA, HostArena
 from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
-from dlo_worker.offload.layout import BlockLayout, build_block_layout, shard_bounds, slot_capacity
+from dlo_worker.offload.layout import (
+    BlockLayout,
+    layout_of,
+    shard_bounds,
+    slot_capacity,
+    streamed_parameters,
+)
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
 from dlo_worker.offload.residency import resident_within_budget, spread_evenly
 from dlo_worker.offload.schedule import Schedule
@@ -408,14 +414,8 @@ class DistributedLayerwiseOffloadBackend:
     def _describe(
         self, dit: DiTPlan, name: str, block: nn.Module, resident_parameter_ids: set[int]
     ) -> StreamedBlock:
-        named = [
-            (param_name, parameter)
-            for param_name, parameter in block.named_parameters(remove_duplicate=True)
-            if id(parameter) not in resident_parameter_ids
-        ]
-        layout = build_block_layout(
-            (param_name, tuple(param.shape), param.dtype) for param_name, param in named
-        )
+        named = streamed_parameters(block, resident_parameter_ids)
+        layout = layout_of(named)
         spans = {
             span.name: span
             for dtype_layout in layout.by_dtype.values()
@@ -460,9 +460,10 @@ class DistributedLayerwiseOffloadBackend:
             pieces.setdefault(entry.dtype, []).append(
                 MappedPiece(entry.offset, entry.numel, view.reshape(-1))
             )
-        for dtype_pieces in pieces.values():
-            dtype_pieces.sort(key=lambda piece: piece.offset)
-        return pieces
+        return {
+            dtype: coalesce(sorted(dtype_pieces, key=lambda piece: piece.offset))
+            for dtype, dtype_pieces in pieces.items()
+        }
 
     def _check_plan_covers(self, plan: OffloadPlan) -> None:
         host_plan = self.host_weight_plan

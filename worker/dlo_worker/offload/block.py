@@ -29,6 +29,34 @@ class MappedPiece(NamedTuple):
     """Flat, contiguous view of the mapped checkpoint (transform already applied)."""
 
 
+def coalesce(pieces: list[MappedPiece]) -> list[MappedPiece]:
+    """Merge pieces (sorted by offset) whose sources sit in one storage exactly as far apart
+    as their layout offsets, so a block packed in the slot's own layout (a runtime-cache
+    entry) is one copy per dtype. The bytes between two merged pieces fill the layout's
+    alignment gap, which nothing reads."""
+    merged: list[MappedPiece] = []
+    for piece in pieces:
+        if merged and _adjacent(merged[-1], piece):
+            last = merged[-1]
+            numel = piece.offset + piece.numel - last.offset
+            merged[-1] = MappedPiece(last.offset, numel, last.source.as_strided((numel,), (1,)))
+        else:
+            merged.append(piece)
+    return merged
+
+
+def _adjacent(first: MappedPiece, second: MappedPiece) -> bool:
+    same_storage = (
+        first.source.untyped_storage().data_ptr() == second.source.untyped_storage().data_ptr()
+    )
+    distance = (second.offset - first.offset) * first.source.element_size()
+    return (
+        same_storage
+        and second.offset >= first.offset + first.numel
+        and second.source.data_ptr() - first.source.data_ptr() == distance
+    )
+
+
 class StreamedParameter(NamedTuple):
     """A parameter of a streamed block and where it lives in its dtype's flat buffer."""
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 ALIGN_BYTES = 256
 
@@ -100,6 +101,25 @@ def build_block_layout(
     return BlockLayout(
         {dtype: DTypeLayout(dtype, tuple(items), ends[dtype]) for dtype, items in spans.items()}
     )
+
+
+def streamed_parameters(
+    block: nn.Module, excluded: set[int] = frozenset()
+) -> list[tuple[str, nn.Parameter]]:
+    """A block's parameters that stream, in the order its layout packs them (``excluded``:
+    ids of parameters that stay resident, e.g. an embedder the DiT also calls directly).
+    The runtime cache packs its entries with the same order, so a cached block is the
+    device slot's image."""
+    return [
+        (name, parameter)
+        for name, parameter in block.named_parameters(remove_duplicate=True)
+        if id(parameter) not in excluded
+    ]
+
+
+def layout_of(named: list[tuple[str, torch.Tensor]]) -> BlockLayout:
+    """The packed layout of ``(name, tensor)`` pairs, in order."""
+    return build_block_layout((name, tuple(tensor.shape), tensor.dtype) for name, tensor in named)
 
 
 def slot_capacity(layouts: Iterable[BlockLayout], shards: int) -> dict[torch.dtype, int]:

@@ -1,0 +1,312 @@
+"""The runtime cache as users run it: real ``dlo-worker generate`` processes, real files,
+real kernel locks. The demo checkpoint also holds a foreign tensor, so checkpoint mmap is
+refused ("mixed") and the ordinary tensors go through the runtime cache."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.checkpoints import add_foreign_tensor, copy_pipeline
+from tests.support.generate import ENV, digest, generate_argv, generate_command
+from tests.support.launch import rank_logs, torchrun_command
+
+SEED = 11
+CACHE_FLAGS = ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather")
+KEY = re.compile(r'msg="runtime cache attached" key=(?P<key>[0-9a-f]{40}) result=(?P<result>\w+)')
+
+
+@pytest.fixture(scope="module")
+def mixed_model(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return add_foreign_tensor(copy_pipeline(demo_model_dir, tmp_path_factory.mktemp("m") / "m"))
+
+
+@pytest.fixture(scope="module")
+def resident_digest(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("resident") / "resident.png"
+    result = subprocess.run(
+        generate_argv(mixed_model, out, SEED), env=ENV, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return digest(out)
+
+
+def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
+    return generate_argv(
+        model,
+        out,
+        SEED,
+        *CACHE_FLAGS,
+        "--dlo-enable-runtime-cache",
+        "--dlo-runtime-cache-root",
+        str(root),
+        *flags,
+    )
+
+
+def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
+    """Generate with the runtime cache; returns the log (stderr)."""
+    result = subprocess.run(
+        cached_argv(model, out, root, *flags), env=ENV, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+def attached(log: str) -> tuple[str, str]:
+    match = KEY.search(log)
+    assert match, log
+    return match["key"], match["result"]
+
+
+def test_four_processes_on_one_root_build_once_and_all_write_the_resident_bytes(
+    mixed_model: Path, resident_digest: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    processes = [
+        subprocess.Popen(
+            cached_argv(mixed_model, tmp_path / f"{index}.png", root),
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(4)
+    ]
+    logs = []
+    for process in processes:
+        _, log = process.communicate(timeout=600)
+        assert process.returncode == 0, log
+        logs.append(log)
+    results = sorted(attached(log)[1] for log in logs)
+    assert results == ["built", "joined", "joined", "joined"]
+    assert len({attached(log)[0] for log in logs}) == 1
+    for index in range(4):
+        assert digest(tmp_path / f"{index}.png") == resident_digest
+    for log in logs:
+        assert "host_backing=runtime-cache" in log
+    (entry,) = (root / "entries").iterdir()
+    manifest = json.loads((entry / "manifest.json").read_text())
+    assert manifest["key"] == entry.name
+    assert set(manifest["files"]) == {"blocks-00000.safetensors", "others.safetensors"}
+    assert list((root / "tmp").iterdir()) == []
+
+
+def test_a_packed_block_is_one_flat_tensor_per_dtype_readable_by_safetensors(
+    mixed_model: Path, tmp_path: Path
+) -> None:
+    from safetensors import safe_open
+
+    root = tmp_path / "cache"
+    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    manifest = json.loads((root / "entries" / key / "manifest.json").read_text())
+    (component,) = manifest["components"].values()
+    with safe_open(str(root / "entries" / key / "blocks-00000.safetensors"), "pt") as handle:
+        for block in component["blocks"]:
+            for record in block["dtypes"].values():
+                flat = handle.get_tensor(record["tensor"])
+                assert flat.dim() == 1
+                assert flat.numel() == record["numel"]
+                offsets = [offset for _, offset, _, _ in record["spans"]]
+                assert offsets == sorted(offsets)
+                assert all(offset * flat.element_size() % 256 == 0 for offset in offsets)
+
+
+def test_a_corrupt_block_file_is_quarantined_and_rebuilt(
+    mixed_model: Path, resident_digest: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    blocks = root / "entries" / key / "blocks-00000.safetensors"
+    data = bytearray(blocks.read_bytes())
+    data[-64:] = bytes(64 * [0x7F])  # same size, other bytes: only content catches it
+    blocks.write_bytes(bytes(data))
+    log = run_cached(mixed_model, tmp_path / "b.png", root)
+    assert "runtime cache entry quarantined" in log
+    assert attached(log) == (key, "built")
+    assert digest(tmp_path / "b.png") == resident_digest
+    assert len(list((root / "quarantine").iterdir())) == 1
+
+
+def test_a_truncated_manifest_is_quarantined_and_rebuilt(
+    mixed_model: Path, resident_digest: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    manifest = root / "entries" / key / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    log = run_cached(mixed_model, tmp_path / "b.png", root)
+    assert attached(log) == (key, "built")
+    assert digest(tmp_path / "b.png") == resident_digest
+
+
+def _hold_lock(path: Path) -> subprocess.Popen:
+    """Another process that holds an exclusive flock on ``path`` until killed."""
+    code = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_held_build_lock_falls_back_to_the_ordinary_tensors_after_the_timeout(
+    mixed_model: Path, resident_digest: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    entry = root / "entries" / key
+    for path in entry.iterdir():
+        path.unlink()
+    entry.rmdir()
+    holder = _hold_lock(root / "locks" / f"{key}.build")
+    try:
+        started = time.monotonic()
+        log = run_cached(
+            mixed_model, tmp_path / "b.png", root, "--dlo-runtime-cache-lock-timeout", "1"
+        )
+        assert time.monotonic() - started < 60
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "reason=cache-lock-timeout" in log
+    assert "host_backing=ordinary" in log
+    assert digest(tmp_path / "b.png") == resident_digest
+
+
+def _builder_killed_mid_publish(root: Path) -> None:
+    """A process that takes the build lock, starts writing an entry, and is SIGKILLed."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from dlo_worker.runtime_cache.store import RuntimeCacheStore\n"
+        "def write(directory):\n"
+        "    (directory / 'blocks-00000.safetensors').write_bytes(b'partial')\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(600)\n"
+        f"RuntimeCacheStore(Path({str(root)!r}), 5).build_or_join('k' * 40, 0, write)\n"
+    )
+    builder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert builder.stdout.readline().strip() == "writing"
+    os.kill(builder.pid, signal.SIGKILL)
+    builder.wait()
+
+
+def test_a_builder_killed_mid_publish_leaves_no_entry_and_the_next_owner_cleans_up(
+    tmp_path: Path,
+) -> None:
+    from dlo_worker.runtime_cache.store import RuntimeCacheStore
+
+    root = tmp_path / "cache"
+    _builder_killed_mid_publish(root)
+    assert not (root / "entries" / ("k" * 40)).exists()
+    assert len(list((root / "tmp").iterdir())) == 1  # the dead writer's leftovers
+
+    def write(directory: Path) -> None:
+        (directory / "manifest.json").write_text(
+            json.dumps({"format_version": 1, "key": "k" * 40, "files": {}})
+        )
+
+    store = RuntimeCacheStore(root, 5)
+    outcome = store.build_or_join("k" * 40, 0, write)
+    assert outcome.built
+    assert list((root / "tmp").iterdir()) == []
+    # The lock died with its holder: taking it again does not wait.
+    fd = os.open(root / "locks" / f"{'k' * 40}.build", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+
+
+def _in_private_mount(
+    root: Path, mount_options: str, argv: list[str]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with ``root`` a fresh tmpfs mounted with ``mount_options`` (a private
+    mount namespace: nothing outside the process sees it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    script = f'mount -t tmpfs -o {mount_options} tmpfs "$1" && shift && exec "$@"'
+    return subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(root),
+            *argv,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+@pytest.mark.parametrize(
+    ("mount_options", "reason"),
+    [("size=64k", "cache-disk-full"), ("ro", "cache-read-only")],
+    ids=["full-disk", "read-only"],
+)
+def test_a_full_or_read_only_root_falls_back_with_the_reason(
+    mixed_model: Path, resident_digest: str, tmp_path: Path, mount_options: str, reason: str
+) -> None:
+    root = tmp_path / "cache"
+    result = _in_private_mount(
+        root, mount_options, cached_argv(mixed_model, tmp_path / "a.png", root)
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"reason={reason}" in result.stderr
+    assert "host_backing=ordinary" in result.stderr
+    assert digest(tmp_path / "a.png") == resident_digest
+
+
+def test_data_parallel_ranks_share_one_entry_and_another_dtype_does_not(
+    mixed_model: Path, resident_digest: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "cache"
+    command = generate_command(
+        mixed_model,
+        tmp_path / "dp.png",
+        SEED,
+        *CACHE_FLAGS,
+        "--data-parallel-size",
+        "2",
+        "--dlo-enable-runtime-cache",
+        "--dlo-runtime-cache-root",
+        str(root),
+    )
+    result = subprocess.run(
+        torchrun_command(command, tmp_path / "logs"),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    logs = rank_logs(tmp_path / "logs")
+    attachments = sorted(attached(log) for log in logs.values())
+    assert [result for _, result in attachments] == ["built", "joined"]
+    (key,) = {key for key, _ in attachments}
+    assert digest(tmp_path / "dp.png") == resident_digest  # rank 0 draws the seed itself
+
+    bfloat16_key, _ = attached(
+        run_cached(mixed_model, tmp_path / "bf16.png", root, "--dtype", "bfloat16")
+    )
+    assert bfloat16_key != key
+    assert sorted(path.name for path in (root / "entries").iterdir()) == sorted([key, bfloat16_key])

@@ -1,0 +1,207 @@
+"""The cache root on a node: build or join an entry under a kernel lock, publish atomically.
+
+Layout of a root::
+
+    entries/<key>/          published entries (manifest.json + safetensors files)
+    locks/<key>.build       exclusive flock while one process builds or repairs <key>
+    locks/<key>.use         shared flock held by every process that maps <key>
+    tmp/<key>.<pid>.<n>/    an entry being written (same filesystem: rename is atomic)
+    quarantine/<key>.<t>/   corrupt entries moved aside (mapped pages stay valid)
+
+``flock`` belongs to the open file description, so a killed process releases its locks
+with its last descriptor: a lock file alone never means a live writer. Only the holder
+of ``<key>.build`` removes ``tmp/<key>.*`` (a dead writer's leftovers) and publishes with
+``rename(2)`` after fsyncing the files and the new directory, then fsyncs ``entries/``:
+readers see either no entry or a complete one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+from dlo_worker.runtime_cache.entry import EntryError, fsync_directory, read_manifest
+
+logger = logging.getLogger(__name__)
+
+FREE_SPACE_MARGIN = 256 * 2**20
+"""Kept free beyond an entry's bytes when checking the disk before writing."""
+_temporaries = count()
+
+
+class CacheFallbackError(RuntimeError):
+    """The cache cannot serve this start; the ordinary tensors stay in use.
+
+    ``reason`` is the label counted in ``dlo_host_backing_fallbacks_total``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Where the entry is and whether this process built it."""
+
+    directory: Path
+    built: bool
+
+
+class RuntimeCacheStore:
+    """One cache root; see the module docstring."""
+
+    def __init__(self, root: Path, lock_timeout: float) -> None:
+        self.root = root
+        self.lock_timeout = lock_timeout
+        self.entries = root / "entries"
+        self.locks = root / "locks"
+        self.tmp = root / "tmp"
+        self.quarantine = root / "quarantine"
+
+    def prepare(self) -> None:
+        """Create the root's directories (a read-only or foreign root falls back)."""
+        try:
+            for directory in (self.entries, self.locks, self.tmp, self.quarantine):
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise _fallback_for(error, f"cannot prepare the cache root {self.root}") from error
+
+    def build_or_join(self, key: str, nbytes: int, write: Callable[[Path], None]) -> Outcome:
+        """Join ``key`` if it is published and sound, else build it with ``write`` (which
+        fills a directory) under the build lock. Raises :class:`CacheFallbackError`."""
+        self.prepare()
+        entry = self.entries / key
+        if self._sound(entry, key):
+            return Outcome(entry, built=False)
+        with self.build_lock(key):
+            if self._sound(entry, key):
+                # Another process published it while this one waited.
+                return Outcome(entry, built=False)
+            if entry.exists():
+                self._quarantine(entry, key, "it failed validation")
+            self._remove_temporaries(key)
+            self._check_free_space(nbytes)
+            staging = self.tmp / f"{key}.{os.getpid()}.{next(_temporaries)}"
+            try:
+                staging.mkdir()
+                write(staging)
+                fsync_directory(staging)
+                os.rename(staging, entry)
+                fsync_directory(self.entries)
+            except OSError as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise _fallback_for(error, f"cannot publish runtime-cache entry {key}") from error
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        logger.info("runtime cache entry published", extra={"fields": {"key": key}})
+        return Outcome(entry, built=True)
+
+    def repair(self, key: str, why: str) -> None:
+        """Move a corrupt published entry aside under the build lock (processes that map it
+        keep their pages; the next start rebuilds)."""
+        entry = self.entries / key
+        with self.build_lock(key):
+            if entry.exists():
+                self._quarantine(entry, key, why)
+
+    @contextmanager
+    def build_lock(self, key: str) -> Iterator[None]:
+        """Exclusive ``locks/<key>.build``, waiting at most ``lock_timeout`` seconds."""
+        descriptor = self._open_lock(f"{key}.build")
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            delay = 0.02
+            while True:
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise CacheFallbackError(
+                            "cache-lock-timeout",
+                            f"another process held the runtime-cache build lock of {key} for "
+                            f"more than {self.lock_timeout:g} s "
+                            "(--dlo-runtime-cache-lock-timeout)",
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+            yield
+        finally:
+            os.close(descriptor)
+
+    def use_lock(self, key: str) -> Callable[[], None]:
+        """Take the shared ``locks/<key>.use`` for as long as the entry is mapped; returns
+        its release (eviction takes it exclusively without waiting, so a mapped entry is
+        never evicted)."""
+        descriptor = self._open_lock(f"{key}.use")
+        fcntl.flock(descriptor, fcntl.LOCK_SH)
+
+        def release() -> None:
+            os.close(descriptor)
+
+        return release
+
+    def _open_lock(self, name: str) -> int:
+        try:
+            return os.open(self.locks / name, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise _fallback_for(error, f"cannot open the lock {self.locks / name}") from error
+
+    def _sound(self, entry: Path, key: str) -> bool:
+        if not entry.exists():
+            return False
+        try:
+            read_manifest(entry, key)
+        except EntryError as error:
+            logger.warning(
+                "runtime cache entry rejected", extra={"fields": {"key": key, "why": str(error)}}
+            )
+            return False
+        return True
+
+    def _quarantine(self, entry: Path, key: str, why: str) -> None:
+        target = self.quarantine / f"{key}.{time.time_ns()}"
+        os.rename(entry, target)
+        fsync_directory(self.entries)
+        logger.warning(
+            "runtime cache entry quarantined",
+            extra={"fields": {"key": key, "why": why, "moved_to": str(target)}},
+        )
+
+    def _remove_temporaries(self, key: str) -> None:
+        """A dead writer's leftovers (only the build-lock holder calls this)."""
+        for leftover in self.tmp.glob(f"{key}.*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+            logger.info(
+                "removed a dead writer's temporary entry",
+                extra={"fields": {"key": key, "path": str(leftover)}},
+            )
+
+    def _check_free_space(self, nbytes: int) -> None:
+        free = shutil.disk_usage(self.root).free
+        if free < nbytes + FREE_SPACE_MARGIN:
+            raise CacheFallbackError(
+                "cache-disk-full",
+                f"the cache root {self.root} has {free / 2**30:.2f} GiB free; the entry needs "
+                f"{nbytes / 2**30:.2f} GiB (+{FREE_SPACE_MARGIN / 2**20:.0f} MiB); free space "
+                "or point --dlo-runtime-cache-root elsewhere",
+            )
+
+
+def _fallback_for(error: OSError, what: str) -> CacheFallbackError:
+    if error.errno == errno.ENOSPC:
+        return CacheFallbackError("cache-disk-full", f"{what}: the disk is full ({error})")
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return CacheFallbackError("cache-read-only", f"{what}: {error}")
+    return CacheFallbackError("cache-error", f"{what}: {error}")
