@@ -46,6 +46,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
     if cache.enabled:
         offload_values["dlo_runtime_cache_root"] = RUNTIME_CACHE_MOUNT_PATH
         offload_values["dlo_runtime_cache_lock_timeout"] = cache.lock_timeout_seconds
+        offload_values["dlo_runtime_cache_size_budget_gib"] = cache.size_budget_gib
     try:
         config = build_config(
             {

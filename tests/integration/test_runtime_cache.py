@@ -310,3 +310,53 @@ def test_data_parallel_ranks_share_one_entry_and_another_dtype_does_not(
     )
     assert bfloat16_key != key
     assert sorted(path.name for path in (root / "entries").iterdir()) == sorted([key, bfloat16_key])
+
+
+def _entry_bytes(entry: Path) -> int:
+    return sum(path.stat().st_size for path in entry.iterdir())
+
+
+def _hold_shared_lock(path: Path) -> subprocess.Popen:
+    """Another process that maps an entry: it holds the entry's ``use`` lock shared."""
+    code = (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+@pytest.mark.parametrize("first_in_use", [False, True], ids=["idle", "in-use"])
+def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
+    mixed_model: Path, resident_digest: str, tmp_path: Path, first_in_use: bool
+) -> None:
+    root = tmp_path / "cache"
+    first, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    # Room for the float32 entry and a bit more: not for the bfloat16 one beside it.
+    budget = f"{_entry_bytes(root / 'entries' / first) * 1.2 / 2**30:.9f}"
+    flags = ("--dlo-runtime-cache-size-budget-gib", budget)
+    holder = _hold_shared_lock(root / "locks" / f"{first}.use") if first_in_use else None
+    try:
+        log = run_cached(mixed_model, tmp_path / "b.png", root, "--dtype", "bfloat16", *flags)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    entries = {path.name for path in (root / "entries").iterdir()}
+    if first_in_use:
+        assert "reason=cache-budget" in log
+        assert "host_backing=ordinary" in log
+        assert entries == {first}
+    else:
+        second, result = attached(log)
+        assert result == "built"
+        assert "runtime cache entry evicted" in log
+        assert entries == {second}
+        # The evicted entry is rebuilt when it is needed again (and evicts in turn).
+        third, result = attached(run_cached(mixed_model, tmp_path / "c.png", root, *flags))
+        assert (third, result) == (first, "built")
+        assert digest(tmp_path / "c.png") == resident_digest

@@ -176,7 +176,12 @@ def test_runtime_cache_without_budget_still_prefers_checkpoint_mmap() -> None:
 
 @pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, "inf", "nan", "-inf"])
 @pytest.mark.parametrize(
-    "field", ["dlo_runtime_cache_lock_timeout", "dlo_runtime_cache_pin_limit_gib"]
+    "field",
+    [
+        "dlo_runtime_cache_lock_timeout",
+        "dlo_runtime_cache_pin_limit_gib",
+        "dlo_runtime_cache_size_budget_gib",
+    ],
 )
 def test_numbers_must_be_finite(field: str, value: object) -> None:
     message = rejected(offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True, field: value})
@@ -194,6 +199,23 @@ def test_lock_timeout_must_be_positive(value: float) -> None:
         }
     )
     assert "--dlo-runtime-cache-lock-timeout must be > 0" in message
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_size_budget_must_be_positive(value: float) -> None:
+    message = rejected(
+        offload={
+            **NO_ALLGATHER,
+            "dlo_enable_runtime_cache": True,
+            "dlo_runtime_cache_size_budget_gib": value,
+        }
+    )
+    assert "--dlo-runtime-cache-size-budget-gib must be > 0" in message
+
+
+def test_size_budget_requires_the_runtime_cache() -> None:
+    message = rejected(offload={**NO_ALLGATHER, "dlo_runtime_cache_size_budget_gib": 100})
+    assert "--dlo-runtime-cache-size-budget-gib requires --dlo-enable-runtime-cache" in message
 
 
 def test_pin_limit_must_not_be_negative() -> None:

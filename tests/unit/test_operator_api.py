@@ -103,6 +103,12 @@ def test_shard_buffers_reach_the_worker_and_are_refused_without_allgather() -> N
         validate(spec(offload={"useAllGather": False, "allGatherShardBuffers": 6}))
 
 
+def test_the_cache_size_budget_reaches_the_worker() -> None:
+    cache = {"enabled": True, "sizeBudgetGiB": 200}
+    config = worker_config(spec(offload={"useAllGather": False, "runtimeCache": cache}))
+    assert config.offload.dlo_runtime_cache_size_budget_gib == 200
+
+
 def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:
     cache = {"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 40}}
     with pytest.raises(InvalidSpecError, match=r"resources\.memory 64Gi cannot hold"):

@@ -216,6 +216,11 @@ class OffloadOptions(_Options):
         default=DEFAULT_RUNTIME_CACHE_LOCK_TIMEOUT_S,
         description="Seconds to wait for another process publishing the same cache entry.",
     )
+    dlo_runtime_cache_size_budget_gib: float | None = Field(
+        default=None,
+        description="Upper bound (GiB) of the runtime-cache entries on the node; publishing "
+        "beyond it evicts the least recently used entries no process maps. Default: unbounded.",
+    )
     dlo_runtime_cache_pin_limit_gib: float = Field(
         default=0.0,
         description="Host-registration budget (GiB) for direct H2D from the runtime cache; "
@@ -253,6 +258,19 @@ class OffloadOptions(_Options):
         _finite(value, "dlo_gpu_memory_budget_gib")
         if value <= 0:
             raise ValueError(f"--dlo-gpu-memory-budget-gib must be > 0 GiB, got {value!r}")
+        return value
+
+    @field_validator("dlo_runtime_cache_size_budget_gib")
+    @classmethod
+    def _size_budget_positive(cls, value: float | None) -> float | None:
+        if value is None:
+            return value
+        _finite(value, "dlo_runtime_cache_size_budget_gib")
+        if value <= 0:
+            raise ValueError(
+                f"--dlo-runtime-cache-size-budget-gib must be > 0 GiB, got {value!r}; leave it "
+                "unset for an unbounded cache"
+            )
         return value
 
     @field_validator("dlo_runtime_cache_pin_limit_gib")
@@ -338,6 +356,13 @@ def combination_errors(config: WorkerConfig) -> list[str]:
                 "--dlo-enable-runtime-cache rejects --use-hsdp: HSDP/DTensor layouts cannot "
                 "be cached; drop one of them"
             )
+    if offload.dlo_runtime_cache_size_budget_gib is not None and not (
+        offload.dlo_enable_runtime_cache
+    ):
+        errors.append(
+            "--dlo-runtime-cache-size-budget-gib requires --dlo-enable-runtime-cache: it bounds "
+            "the runtime cache; add --dlo-enable-runtime-cache or drop it"
+        )
     if offload.dlo_runtime_cache_pin_limit_gib > 0 and not offload.dlo_enable_runtime_cache:
         errors.append(
             "--dlo-runtime-cache-pin-limit-gib > 0 requires --dlo-enable-runtime-cache: only "

@@ -36,8 +36,8 @@ HOST_BACKING_FALLBACKS = Counter(
     "DiT components whose checkpoint mmap preflight failed and that loaded ordinarily, "
     "and starts whose runtime cache fell back to the ordinary tensors, by reason "
     "(topology, runtime-cache-preferred, missing, ambiguous, mixed, dtype, keep-fp32, format, "
-    "class; cache-lock-timeout, cache-corrupt, cache-disk-full, cache-read-only, cache-layout, "
-    "cache-error).",
+    "class; cache-lock-timeout, cache-corrupt, cache-disk-full, cache-read-only, cache-budget, "
+    "cache-layout, cache-error).",
     ["reason"],
 )
 RUNTIME_CACHE_STARTS = Counter(

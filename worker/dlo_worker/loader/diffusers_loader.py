@@ -162,6 +162,9 @@ class DiffusersPipelineLoader:
         return CacheRequest(
             root=offload.dlo_runtime_cache_root or default_runtime_cache_root(),
             lock_timeout=offload.dlo_runtime_cache_lock_timeout,
+            size_budget_bytes=None
+            if offload.dlo_runtime_cache_size_budget_gib is None
+            else int(offload.dlo_runtime_cache_size_budget_gib * 2**30),
             block_paths=offload.dlo_block_paths,
             adapters=adapters,
             # This release runs TP 1 only (execution_errors refuses more).

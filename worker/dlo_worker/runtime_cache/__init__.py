@@ -56,6 +56,8 @@ class CacheRequest:
 
     root: Path
     lock_timeout: float
+    size_budget_bytes: int | None = None
+    """Upper bound of the entries on the node (least recently used ones are evicted)."""
     block_paths: Sequence[str] | None = None
     adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """The loader's checkpoint adapters per DiT component."""
@@ -137,7 +139,7 @@ def _attach(
     layouts = [component_layout(name, dit, request.block_paths) for name, dit in components]
     identity = identity_of(request, components)
     key = identity.key
-    store = RuntimeCacheStore(request.root, request.lock_timeout)
+    store = RuntimeCacheStore(request.root, request.lock_timeout, request.size_budget_bytes)
     nbytes = entry_nbytes(layouts)
     for attempt in range(2):
         outcome = store.build_or_join(key, nbytes, lambda d: write_entry(d, identity, layouts))

@@ -60,9 +60,12 @@ class Outcome:
 class RuntimeCacheStore:
     """One cache root; see the module docstring."""
 
-    def __init__(self, root: Path, lock_timeout: float) -> None:
+    def __init__(
+        self, root: Path, lock_timeout: float, size_budget_bytes: int | None = None
+    ) -> None:
         self.root = root
         self.lock_timeout = lock_timeout
+        self.size_budget_bytes = size_budget_bytes
         self.entries = root / "entries"
         self.locks = root / "locks"
         self.tmp = root / "tmp"
@@ -90,6 +93,7 @@ class RuntimeCacheStore:
             if entry.exists():
                 self._quarantine(entry, key, "it failed validation")
             self._remove_temporaries(key)
+            self._make_room(key, nbytes)
             self._check_free_space(nbytes)
             staging = self.tmp / f"{key}.{os.getpid()}.{next(_temporaries)}"
             try:
@@ -146,11 +150,75 @@ class RuntimeCacheStore:
         never evicted)."""
         descriptor = self._open_lock(f"{key}.use")
         fcntl.flock(descriptor, fcntl.LOCK_SH)
+        os.utime(descriptor)  # the entry's last use, for eviction
 
         def release() -> None:
             os.close(descriptor)
 
         return release
+
+    def entries_by_last_use(self) -> list[tuple[float, str, int]]:
+        """``(last use, key, bytes)`` of every published entry, least recently used first."""
+        found = []
+        for entry in self.entries.iterdir() if self.entries.exists() else ():
+            use_lock = self.locks / f"{entry.name}.use"
+            last_use = use_lock.stat().st_mtime if use_lock.exists() else 0.0
+            size = sum(path.stat().st_size for path in entry.iterdir() if path.is_file())
+            found.append((last_use, entry.name, size))
+        return sorted(found)
+
+    def evict(self, key: str) -> bool:
+        """Remove ``key`` unless a process maps or builds it (never waits); True if removed."""
+        entry = self.entries / key
+        use = self._open_lock(f"{key}.use")
+        build = self._open_lock(f"{key}.build")
+        try:
+            for descriptor in (use, build):
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            if not entry.exists():
+                return False
+            doomed = self.tmp / f"{key}.evicted.{time.time_ns()}"
+            os.rename(entry, doomed)
+            fsync_directory(self.entries)
+            shutil.rmtree(doomed, ignore_errors=True)
+        finally:
+            os.close(build)
+            os.close(use)
+        logger.info("runtime cache entry evicted", extra={"fields": {"key": key}})
+        return True
+
+    def _make_room(self, key: str, nbytes: int) -> None:
+        """Evict least recently used entries no process maps until ``nbytes`` more fit the
+        size budget (the caller holds ``key``'s build lock)."""
+        budget = self.size_budget_bytes
+        if budget is None:
+            return
+        if nbytes > budget:
+            raise CacheFallbackError(
+                "cache-budget",
+                f"the entry needs {nbytes / 2**30:.2f} GiB, more than the cache's size budget "
+                f"of {budget / 2**30:.2f} GiB (--dlo-runtime-cache-size-budget-gib)",
+            )
+        entries = [item for item in self.entries_by_last_use() if item[1] != key]
+        used = sum(size for *_, size in entries)
+        busy = []
+        for _, other, size in entries:
+            if used + nbytes <= budget:
+                return
+            if self.evict(other):
+                used -= size
+            else:
+                busy.append(other)
+        if used + nbytes > budget:
+            raise CacheFallbackError(
+                "cache-budget",
+                f"the entry needs {nbytes / 2**30:.2f} GiB and the cache's size budget of "
+                f"{budget / 2**30:.2f} GiB is held by entries in use ({', '.join(busy)}); "
+                "raise --dlo-runtime-cache-size-budget-gib",
+            )
 
     def _open_lock(self, name: str) -> int:
         try:
