@@ -360,3 +360,65 @@ def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
         third, result = attached(run_cached(mixed_model, tmp_path / "c.png", root, *flags))
         assert (third, result) == (first, "built")
         assert digest(tmp_path / "c.png") == resident_digest
+
+
+def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dlo_worker", "cache", *arguments],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    warm = cache_cli(
+        "warm",
+        "--model",
+        str(mixed_model),
+        "--device",
+        "cpu",
+        *CACHE_FLAGS,
+        "--dlo-enable-runtime-cache",
+        "--dlo-runtime-cache-root",
+        str(root),
+    )
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout)
+    assert report["result"] == "built"
+    key = report["key"]
+    # A worker with the same flags joins what the warm command built.
+    assert attached(run_cached(mixed_model, tmp_path / "a.png", root)) == (key, "joined")
+
+    (listed,) = json.loads(cache_cli("ls", "--root", str(root)).stdout)
+    assert listed["key"] == key
+    assert listed["components"] == {"transformer": "DiTTransformer2DModel"}
+    assert listed["bytes"] == report["bytes"]
+    assert listed["in_use_by"] == 0
+    holder = _hold_shared_lock(root / "locks" / f"{key}.use")
+    try:
+        (listed,) = json.loads(cache_cli("ls", "--root", str(root)).stdout)
+        assert listed["in_use_by"] == 1
+        refused = cache_cli("rm", "--root", str(root), key)
+        assert refused.returncode == 2
+        assert f"runtime-cache entry {key} is in use by 1 process(es)" in refused.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+
+    verified = cache_cli("verify", "--root", str(root))
+    assert verified.returncode == 0, verified.stderr
+    assert json.loads(verified.stdout) == {"verified": 1, "corrupt": []}
+    others = root / "entries" / key / "others.safetensors"
+    data = bytearray(others.read_bytes())
+    data[-1] ^= 0xFF
+    others.write_bytes(bytes(data))
+    verified = cache_cli("verify", "--root", str(root), key)
+    assert verified.returncode == 1
+    assert f"{others}: its SHA-256 differs from the manifest's" in verified.stderr
+
+    removed = cache_cli("rm", "--root", str(root), key)
+    assert removed.returncode == 0, removed.stderr
+    assert list((root / "entries").iterdir()) == []

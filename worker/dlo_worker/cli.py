@@ -14,7 +14,7 @@ import logging
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
@@ -33,6 +33,9 @@ from dlo_worker.config import (
 )
 from dlo_worker.errors import UserFixableError
 from dlo_worker.requests import GenerationRequest
+
+if TYPE_CHECKING:
+    from dlo_worker.runtime_cache.store import RuntimeCacheStore
 
 logger = logging.getLogger("dlo_worker.cli")
 
@@ -225,6 +228,88 @@ def _command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_cache_warm(args: argparse.Namespace) -> int:
+    config = _executable_config(args)
+    if not config.offload.dlo_enable_runtime_cache:
+        raise UsageError("cache warm needs --dlo-enable-runtime-cache (the flags `serve` gets)")
+
+    from dlo_worker.runtime_cache.warm import warm_runtime_cache
+
+    report = warm_runtime_cache(config)
+    print(json.dumps(report))
+    return EXIT_FAILURE if report["result"] == "fallback" else 0
+
+
+def _cache_store(args: argparse.Namespace) -> RuntimeCacheStore:
+    from dlo_worker.config import default_runtime_cache_root
+    from dlo_worker.runtime_cache.store import RuntimeCacheStore
+
+    return RuntimeCacheStore(Path(args.root or default_runtime_cache_root()), lock_timeout=0)
+
+
+def _command_cache_ls(args: argparse.Namespace) -> int:
+    print(json.dumps(_cache_store(args).describe(), indent=2))
+    return 0
+
+
+def _command_cache_verify(args: argparse.Namespace) -> int:
+    store = _cache_store(args)
+    keys = args.keys or [entry["key"] for entry in store.describe()]
+    problems = {key: found for key in keys if (found := store.verify(key))}
+    for found in problems.values():
+        for problem in found:
+            print(f"dlo-worker cache verify: {problem}", file=sys.stderr)
+    print(json.dumps({"verified": len(keys), "corrupt": sorted(problems)}))
+    return EXIT_FAILURE if problems else 0
+
+
+def _command_cache_rm(args: argparse.Namespace) -> int:
+    store = _cache_store(args)
+    for key in args.keys:
+        store.remove(key)
+        print(f"removed runtime-cache entry {key}")
+    return 0
+
+
+def _add_cache_commands(
+    commands: argparse._SubParsersAction, common: argparse.ArgumentParser
+) -> None:
+    cache_parser = commands.add_parser(
+        "cache", parents=[common], help="Inspect, verify, remove or warm runtime-cache entries."
+    )
+    actions = cache_parser.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    root = argparse.ArgumentParser(add_help=False)
+    root.add_argument(
+        "--root",
+        help="Cache root (default: $XDG_CACHE_HOME/dlo-worker/runtime-cache).",
+    )
+    warm_parser = actions.add_parser(
+        "warm",
+        parents=[common],
+        help="Build or join the entry for a worker configuration (the flags `serve` gets) "
+        "and print the result as JSON.",
+    )
+    for prefix, model in _CONFIG_GROUPS.items():
+        _add_model_fields(warm_parser, prefix, model, f"{prefix} options")
+    warm_parser.set_defaults(handler=_command_cache_warm)
+    ls_parser = actions.add_parser(
+        "ls", parents=[common, root], help="List entries (JSON): size, last use, processes."
+    )
+    ls_parser.set_defaults(handler=_command_cache_ls)
+    verify_parser = actions.add_parser(
+        "verify",
+        parents=[common, root],
+        help="Re-hash entries against their manifests; exit 1 naming corrupt files.",
+    )
+    verify_parser.add_argument("keys", nargs="*", help="Entry keys (default: all).")
+    verify_parser.set_defaults(handler=_command_cache_verify)
+    rm_parser = actions.add_parser(
+        "rm", parents=[common, root], help="Remove entries no process uses (refuses others)."
+    )
+    rm_parser.add_argument("keys", nargs="+", help="Entry keys.")
+    rm_parser.set_defaults(handler=_command_cache_rm)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -301,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     for prefix, model in _CONFIG_GROUPS.items():
         _add_model_fields(serve_parser, prefix, model, f"{prefix} options")
     serve_parser.set_defaults(handler=_command_serve)
+    _add_cache_commands(commands, common)
     return parser
 
 

@@ -38,7 +38,12 @@ from dlo_worker.loader.checkpoint import read_checkpoint_index
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
 from dlo_worker.loader.model_directory import check_model_directory, quiet_diffusers_handlers
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
-from dlo_worker.runtime_cache import CacheRequest, RuntimeCacheEntry, attach_runtime_cache
+from dlo_worker.runtime_cache import (
+    CacheReport,
+    CacheRequest,
+    RuntimeCacheEntry,
+    attach_runtime_cache,
+)
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -76,6 +81,8 @@ class DiffusersPipelineLoader:
         self.device = device
         self.streams_dit = config.effective().offload_policy == OffloadPolicy.DLO
         self.decision: BackingDecision | None = None
+        self.cache_report: CacheReport | None = None
+        """What the runtime cache did, when this load used it."""
         self._plan: HostWeightPlan | RuntimeCacheEntry | None = None
         self._loaded = False
 
@@ -128,8 +135,8 @@ class DiffusersPipelineLoader:
                 for name in DIT_COMPONENTS
                 if isinstance(module := pipeline.components.get(name), nn.Module)
             ]
-            entry, reason = attach_runtime_cache(self._cache_request(adapters), dits)
-            reasons.append(reason)
+            entry, self.cache_report = attach_runtime_cache(self._cache_request(adapters), dits)
+            reasons.append(self.cache_report.describe())
             if entry is not None:
                 self._plan = entry
                 backing = HostBacking.RUNTIME_CACHE

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CacheFallbackError",
+    "CacheReport",
     "CacheRequest",
     "RuntimeCacheEntry",
     "RuntimeCacheStore",
@@ -66,11 +67,29 @@ class CacheRequest:
     sequence_parallel_size: int = 1
 
 
+@dataclass(frozen=True)
+class CacheReport:
+    """What one start did with the cache (``dlo-worker cache warm`` prints it as JSON)."""
+
+    result: str
+    """``built``, ``joined`` or ``fallback``."""
+    key: str | None
+    bytes: int
+    seconds: float
+    reason: str
+    """Why it fell back (the metric's label and the message), empty otherwise."""
+
+    def describe(self) -> str:
+        if self.result == "fallback":
+            return f"ordinary (runtime cache fell back: {self.reason})"
+        return f"runtime-cache ({self.result} entry {self.key})"
+
+
 def attach_runtime_cache(
     request: CacheRequest, components: list[tuple[str, nn.Module]]
-) -> tuple[RuntimeCacheEntry | None, str]:
+) -> tuple[RuntimeCacheEntry | None, CacheReport]:
     """Build or join the entry of these loaded DiTs; returns the mapped entry (a
-    ``HostWeightSource`` for the backend) and a reason, or ``(None, why)`` on a fallback."""
+    ``HostWeightSource`` for the backend), or None on a fallback, and what happened."""
     started = time.perf_counter()
     try:
         entry, outcome = _attach(request, components)
@@ -81,22 +100,20 @@ def attach_runtime_cache(
             "runtime cache unavailable; the DiT keeps its ordinary tensors",
             extra={"fields": {"reason": error.reason, "why": str(error)}},
         )
-        return None, f"ordinary (runtime cache fell back: {error.reason}: {error})"
+        seconds = time.perf_counter() - started
+        return None, CacheReport("fallback", None, 0, seconds, f"{error.reason}: {error}")
     result = "built" if outcome.built else "joined"
+    seconds = time.perf_counter() - started
     metrics.RUNTIME_CACHE_STARTS.labels(result=result).inc()
     if outcome.built:
-        metrics.RUNTIME_CACHE_BUILD_SECONDS.observe(time.perf_counter() - started)
+        metrics.RUNTIME_CACHE_BUILD_SECONDS.observe(seconds)
+    key = outcome.directory.name
     logger.info(
         "runtime cache attached",
-        extra={
-            "fields": {
-                "key": outcome.directory.name,
-                "result": result,
-                "seconds": round(time.perf_counter() - started, 3),
-            }
-        },
+        extra={"fields": {"key": key, "result": result, "seconds": round(seconds, 3)}},
     )
-    return entry, f"runtime-cache ({result} entry {outcome.directory.name})"
+    size = sum(path.stat().st_size for path in outcome.directory.iterdir())
+    return entry, CacheReport(result, key, size, seconds, "")
 
 
 def identity_of(request: CacheRequest, components: list[tuple[str, nn.Module]]) -> CacheIdentity:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -29,7 +30,14 @@ from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
-from dlo_worker.runtime_cache.entry import EntryError, fsync_directory, read_manifest
+from dlo_worker.errors import UserFixableError
+from dlo_worker.runtime_cache.entry import (
+    MANIFEST,
+    EntryError,
+    fsync_directory,
+    read_manifest,
+    verify_files,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,10 @@ class CacheFallbackError(RuntimeError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class CacheEntryInUseError(RuntimeError, UserFixableError):
+    """An entry a command was asked to remove is missing, mapped or being built."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +179,53 @@ class RuntimeCacheStore:
             found.append((last_use, entry.name, size))
         return sorted(found)
 
+    def describe(self) -> list[dict]:
+        """Every published entry: key, DiT classes, bytes, creation, last use and how many
+        processes map it now (``dlo-worker cache ls``)."""
+        described = []
+        for last_use, key, size in reversed(self.entries_by_last_use()):
+            entry = self.entries / key
+            try:
+                manifest = json.loads((entry / MANIFEST).read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            identity = manifest.get("identity", {}).get("components", {})
+            described.append(
+                {
+                    "key": key,
+                    "components": {name: g.get("dit_class") for name, g in identity.items()},
+                    "bytes": size,
+                    "created": manifest.get("created"),
+                    "last_use": _iso(last_use) if last_use else None,
+                    "in_use_by": processes_holding(self.locks / f"{key}.use"),
+                }
+            )
+        return described
+
+    def verify(self, key: str) -> list[str]:
+        """Problems of a published entry, re-hashing every file (``dlo-worker cache verify``):
+        an unreadable or mismatched manifest, a missing or resized file, a changed digest."""
+        entry = self.entries / key
+        try:
+            manifest = read_manifest(entry, key)
+        except EntryError as error:
+            return [str(error)]
+        return [
+            f"{entry / name}: its SHA-256 differs from the manifest's"
+            for name in verify_files(entry, manifest)
+        ]
+
+    def remove(self, key: str) -> None:
+        """Delete an entry no process maps (``dlo-worker cache rm``)."""
+        if not (self.entries / key).exists():
+            raise CacheEntryInUseError(f"no runtime-cache entry {key} under {self.root}")
+        if not self.evict(key):
+            raise CacheEntryInUseError(
+                f"runtime-cache entry {key} is in use by "
+                f"{processes_holding(self.locks / f'{key}.use')} process(es) or being built; "
+                "stop them first"
+            )
+
     def evict(self, key: str) -> bool:
         """Remove ``key`` unless a process maps or builds it (never waits); True if removed."""
         entry = self.entries / key
@@ -265,6 +324,25 @@ class RuntimeCacheStore:
                 f"{nbytes / 2**30:.2f} GiB (+{FREE_SPACE_MARGIN / 2**20:.0f} MiB); free space "
                 "or point --dlo-runtime-cache-root elsewhere",
             )
+
+
+def processes_holding(lock: Path) -> int:
+    """How many open descriptions hold a shared ``flock`` on ``lock`` (from /proc/locks)."""
+    try:
+        status = lock.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return 0
+    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    return sum(
+        1
+        for line in table.splitlines()
+        if (fields := line.split()) and "FLOCK" in fields and "READ" in fields and device in fields
+    )
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
 
 
 def _fallback_for(error: OSError, what: str) -> CacheFallbackError:
