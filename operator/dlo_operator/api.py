@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from dlo_worker.config import DType, Quantization
+from dlo_worker.config import DType, Quantization, SkipLoad
 
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
@@ -139,7 +139,13 @@ class RuntimeCache(_Api):
         gt=0,
         allow_inf_nan=False,
         alias="sizeBudgetGiB",
-        description="Upper bound of the cache directory on a node (GiB).",
+        description="Upper bound of the cache directory on a node (GiB); least recently used "
+        "entries no worker maps are evicted.",
+    )
+    skip_load: SkipLoad = Field(
+        default=SkipLoad.PREFERRED,
+        description="Bind the DiT to its entry without reading the checkpoint when the "
+        "model's source is recorded on the node; required makes a miss a start-up error.",
     )
 
 

@@ -47,6 +47,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
         offload_values["dlo_runtime_cache_root"] = RUNTIME_CACHE_MOUNT_PATH
         offload_values["dlo_runtime_cache_lock_timeout"] = cache.lock_timeout_seconds
         offload_values["dlo_runtime_cache_size_budget_gib"] = cache.size_budget_gib
+        offload_values["dlo_runtime_cache_skip_load"] = cache.skip_load
     try:
         config = build_config(
             {

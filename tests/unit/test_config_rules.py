@@ -213,6 +213,23 @@ def test_size_budget_must_be_positive(value: float) -> None:
     assert "--dlo-runtime-cache-size-budget-gib must be > 0" in message
 
 
+@pytest.mark.parametrize("mode", ["off", "required"])
+def test_skip_load_modes_require_the_runtime_cache(mode: str) -> None:
+    message = rejected(offload={**NO_ALLGATHER, "dlo_runtime_cache_skip_load": mode})
+    assert "--dlo-runtime-cache-skip-load requires --dlo-enable-runtime-cache" in message
+
+
+def test_an_unknown_skip_load_mode_is_rejected() -> None:
+    message = rejected(
+        offload={
+            **NO_ALLGATHER,
+            "dlo_enable_runtime_cache": True,
+            "dlo_runtime_cache_skip_load": "sometimes",
+        }
+    )
+    assert "--dlo-runtime-cache-skip-load" in message
+
+
 def test_size_budget_requires_the_runtime_cache() -> None:
     message = rejected(offload={**NO_ALLGATHER, "dlo_runtime_cache_size_budget_gib": 100})
     assert "--dlo-runtime-cache-size-budget-gib requires --dlo-enable-runtime-cache" in message

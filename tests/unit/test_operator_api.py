@@ -103,10 +103,11 @@ def test_shard_buffers_reach_the_worker_and_are_refused_without_allgather() -> N
         validate(spec(offload={"useAllGather": False, "allGatherShardBuffers": 6}))
 
 
-def test_the_cache_size_budget_reaches_the_worker() -> None:
-    cache = {"enabled": True, "sizeBudgetGiB": 200}
+def test_the_cache_size_budget_and_skip_load_reach_the_worker() -> None:
+    cache = {"enabled": True, "sizeBudgetGiB": 200, "skipLoad": "required"}
     config = worker_config(spec(offload={"useAllGather": False, "runtimeCache": cache}))
     assert config.offload.dlo_runtime_cache_size_budget_gib == 200
+    assert config.offload.dlo_runtime_cache_skip_load == "required"
 
 
 def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:

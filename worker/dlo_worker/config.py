@@ -32,6 +32,16 @@ class DType(StrEnum):
     FLOAT32 = "float32"
 
 
+class SkipLoad(StrEnum):
+    """Whether a start whose checkpoint source is recorded in the runtime cache binds the
+    DiT to its entry without reading the checkpoint's tensors."""
+
+    OFF = "off"
+    PREFERRED = "preferred"
+    REQUIRED = "required"
+    """A miss is a start-up error (the node was expected to be warm)."""
+
+
 class Quantization(StrEnum):
     """Online (load-time) weight quantization methods.
 
@@ -216,6 +226,11 @@ class OffloadOptions(_Options):
         default=DEFAULT_RUNTIME_CACHE_LOCK_TIMEOUT_S,
         description="Seconds to wait for another process publishing the same cache entry.",
     )
+    dlo_runtime_cache_skip_load: SkipLoad = Field(
+        default=SkipLoad.PREFERRED,
+        description="Skip loading the DiT's checkpoint when its source is recorded in the "
+        "runtime cache: off, preferred (a miss loads ordinarily), required (a miss is an error).",
+    )
     dlo_runtime_cache_size_budget_gib: float | None = Field(
         default=None,
         description="Upper bound (GiB) of the runtime-cache entries on the node; publishing "
@@ -356,6 +371,13 @@ def combination_errors(config: WorkerConfig) -> list[str]:
                 "--dlo-enable-runtime-cache rejects --use-hsdp: HSDP/DTensor layouts cannot "
                 "be cached; drop one of them"
             )
+    if offload.dlo_runtime_cache_skip_load != SkipLoad.PREFERRED and not (
+        offload.dlo_enable_runtime_cache
+    ):
+        errors.append(
+            "--dlo-runtime-cache-skip-load requires --dlo-enable-runtime-cache: it binds to "
+            "runtime-cache entries; add --dlo-enable-runtime-cache or drop it"
+        )
     if offload.dlo_runtime_cache_size_budget_gib is not None and not (
         offload.dlo_enable_runtime_cache
     ):

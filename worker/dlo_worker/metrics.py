@@ -42,7 +42,7 @@ HOST_BACKING_FALLBACKS = Counter(
 )
 RUNTIME_CACHE_STARTS = Counter(
     "dlo_runtime_cache_starts",
-    "Starts with the runtime cache enabled, by result (built, joined, fallback).",
+    "Starts with the runtime cache enabled, by result (built, joined, hit: skip-load, fallback).",
     ["result"],
 )
 RUNTIME_CACHE_BUILD_SECONDS = Histogram(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,20 +30,26 @@ from dlo_worker import metrics
 from dlo_worker.config import (
     HostBacking,
     OffloadPolicy,
+    SkipLoad,
     WorkerConfig,
     default_runtime_cache_root,
 )
+from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import read_checkpoint_index
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
 from dlo_worker.loader.model_directory import check_model_directory, quiet_diffusers_handlers
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
+from dlo_worker.offload.host_source import HostWeightPlanError
 from dlo_worker.runtime_cache import (
     CacheReport,
     CacheRequest,
     RuntimeCacheEntry,
     attach_runtime_cache,
+    entry_for_source,
+    record_source,
 )
+from dlo_worker.runtime_cache.source import component_source, source_key
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -102,44 +108,25 @@ class DiffusersPipelineLoader:
         check_model_directory(self.model_dir)
         started = time.perf_counter()
         index = json.loads((self.model_dir / "model_index.json").read_text())
-        prebuilt: dict[str, nn.Module] = {}
-        planned: dict[str, ComponentPlan] = {}
-        adapters: dict[str, tuple[str, ...]] = {}
-        reasons: list[str] = []
-        for component in DIT_COMPONENTS:
-            entry = index.get(component)
-            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
-                continue
-            prepared = self._prepare_dit(component, entry[1])
-            if prepared.module is not None:
-                prebuilt[component] = prepared.module
-            if prepared.plan is not None:
-                planned[component] = prepared.plan
-            adapters[component] = prepared.adapters
-            reasons.append(f"{component}: {prepared.reason}")
-
+        dit_classes = {
+            component: entry[1]
+            for component in DIT_COMPONENTS
+            if isinstance(entry := index.get(component), list)
+            and len(entry) == 2
+            and entry[0] == "diffusers"
+        }
+        source = self._cache_source(dit_classes) if self._uses_runtime_cache() else None
+        hit = self._skip_load(source)
+        prepared = self._prepare_dits(dit_classes, hit, source)
         pipeline = DiffusionPipeline.from_pretrained(
-            str(self.model_dir), dtype=self.dtype, local_files_only=True, **prebuilt
+            str(self.model_dir), dtype=self.dtype, local_files_only=True, **prepared.prebuilt
         )
         for name, component in pipeline.components.items():
-            if isinstance(component, nn.Module) and name not in planned:
+            if isinstance(component, nn.Module) and name not in prepared.bound:
                 streamed_later = self.streams_dit and name in DIT_COMPONENTS
                 component.to(torch.device("cpu") if streamed_later else self.device)
-        backing = HostBacking.ORDINARY
-        if planned:
-            self._plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, planned)
-            backing = HostBacking.CHECKPOINT_MMAP
-        elif self._uses_runtime_cache():
-            dits = [
-                (name, module)
-                for name in DIT_COMPONENTS
-                if isinstance(module := pipeline.components.get(name), nn.Module)
-            ]
-            entry, self.cache_report = attach_runtime_cache(self._cache_request(adapters), dits)
-            reasons.append(self.cache_report.describe())
-            if entry is not None:
-                self._plan = entry
-                backing = HostBacking.RUNTIME_CACHE
+        backing = self._host_backing(pipeline, hit, prepared, source)
+        reasons = prepared.reasons
         self.decision = BackingDecision(
             backing, "; ".join(reasons) or "the pipeline has no diffusers DiT component"
         )
@@ -157,6 +144,111 @@ class DiffusersPipelineLoader:
             },
         )
         return pipeline
+
+    def _prepare_dits(
+        self,
+        dit_classes: dict[str, str],
+        hit: tuple[RuntimeCacheEntry, CacheReport] | None,
+        source: CacheSource | None,
+    ) -> PreparedDiTs:
+        """Skeletons bound to the entry on a skip-load hit, else each DiT's preflight."""
+        prepared = PreparedDiTs()
+        if hit is not None:
+            entry, self.cache_report = hit
+            for component, skeleton in source.skeletons.items():
+                prepared.prebuilt[component] = _bind_to_entry(skeleton, entry, component)
+                prepared.bound.add(component)
+            prepared.reasons.append(self.cache_report.describe())
+            return prepared
+        for component, class_name in dit_classes.items():
+            dit = self._prepare_dit(component, class_name)
+            if dit.module is not None:
+                prepared.prebuilt[component] = dit.module
+            if dit.plan is not None:
+                prepared.planned[component] = dit.plan
+                prepared.bound.add(component)
+            prepared.adapters[component] = dit.adapters
+            prepared.reasons.append(f"{component}: {dit.reason}")
+        return prepared
+
+    def _host_backing(
+        self,
+        pipeline: DiffusionPipeline,
+        hit: tuple[RuntimeCacheEntry, CacheReport] | None,
+        prepared: PreparedDiTs,
+        source: CacheSource | None,
+    ) -> HostBacking:
+        """Hand over the skip-load entry, the checkpoint plan, or the runtime cache built
+        or joined from the loaded DiTs (recording their source for the next start)."""
+        if hit is not None:
+            self._plan = hit[0]
+            return HostBacking.RUNTIME_CACHE
+        if prepared.planned:
+            self._plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, prepared.planned)
+            return HostBacking.CHECKPOINT_MMAP
+        if not self._uses_runtime_cache():
+            return HostBacking.ORDINARY
+        dits = [
+            (name, module)
+            for name in DIT_COMPONENTS
+            if isinstance(module := pipeline.components.get(name), nn.Module)
+        ]
+        request = self._cache_request(prepared.adapters)
+        entry, self.cache_report = attach_runtime_cache(request, dits)
+        prepared.reasons.append(self.cache_report.describe())
+        if entry is None:
+            return HostBacking.ORDINARY
+        self._plan = entry
+        if source is not None:
+            record_source(request, source.key, self.cache_report.key)
+        return HostBacking.RUNTIME_CACHE
+
+    def _cache_source(self, dit_classes: dict[str, str]) -> CacheSource | None:
+        """The source identity of the pipeline's DiTs (headers and metadata only), or None
+        when one has no safetensors checkpoint or an unknown class."""
+        import diffusers
+
+        components, skeletons = {}, {}
+        for component, class_name in dit_classes.items():
+            model_class = getattr(diffusers, class_name, None)
+            component_dir = self.model_dir / component
+            checkpoint = read_checkpoint_index(component_dir)
+            if model_class is None or checkpoint is None:
+                return None
+            skeleton = _skeleton(model_class, component_dir, self.dtype)
+            resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
+            components[component] = component_source(
+                files=checkpoint.files,
+                config_json=(component_dir / "config.json").read_text(),
+                dit_class=class_name,
+                adapters=resolution.adapters if resolution.complete else (),
+            )
+            skeletons[component] = skeleton
+        if not components:
+            return None
+        key = source_key(
+            components,
+            dtype=str(self.dtype),
+            block_paths=self.config.offload.dlo_block_paths,
+            backings=self.config.effective().host_backing_candidates,
+        )
+        return CacheSource(key, skeletons)
+
+    def _skip_load(
+        self, source: CacheSource | None
+    ) -> tuple[RuntimeCacheEntry, CacheReport] | None:
+        """The entry recorded for ``source`` (skip-load), per the configured mode."""
+        mode = self.config.offload.dlo_runtime_cache_skip_load
+        if source is None or mode == SkipLoad.OFF:
+            return None
+        hit = entry_for_source(self._cache_request({}), source.key)
+        if hit is None and mode == SkipLoad.REQUIRED:
+            raise RuntimeCacheMissError(
+                "--dlo-runtime-cache-skip-load required: no runtime-cache entry is recorded "
+                f"for this model's source under {self._cache_request({}).root}; run "
+                "`dlo-worker cache warm` with the same flags first, or use preferred"
+            )
+        return hit
 
     def _uses_runtime_cache(self) -> bool:
         """Rank-local DLO with the runtime cache among the host backings (a checkpoint plan,
@@ -193,6 +285,46 @@ class DiffusersPipelineLoader:
             self.dtype,
             component=component,
         )
+
+
+class RuntimeCacheMissError(RuntimeError, UserFixableError):
+    """Skip-load was required and the runtime cache holds no entry for this source."""
+
+
+@dataclass
+class PreparedDiTs:
+    """What the loader hands diffusers and keeps for the backend, for every DiT."""
+
+    prebuilt: dict[str, nn.Module] = field(default_factory=dict)
+    planned: dict[str, ComponentPlan] = field(default_factory=dict)
+    bound: set[str] = field(default_factory=set)
+    """Components bound to a host plan (meta tensors): never moved."""
+    adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CacheSource:
+    """The DiTs' source identity and the meta skeletons built to compute it."""
+
+    key: str
+    skeletons: dict[str, nn.Module]
+
+
+def _bind_to_entry(skeleton: nn.Module, entry: RuntimeCacheEntry, component: str) -> nn.Module:
+    """A meta skeleton whose tensors take the entry's dtypes (a class may keep some modules
+    in float32); the DLO backend then binds every tensor to the entry."""
+    state = skeleton.state_dict(keep_vars=True)
+    for name, tensor in state.items():
+        stored = entry.tensor(component, name)
+        if stored.dtype != tensor.dtype or stored.shape != tensor.shape:
+            if stored.shape != tensor.shape:
+                raise HostWeightPlanError(
+                    f"runtime-cache entry {entry.directory.name}: {component}.{name} has shape "
+                    f"{tuple(stored.shape)}, the model {tuple(tensor.shape)}"
+                )
+            tensor.data = torch.empty_like(tensor, dtype=stored.dtype, device="meta")
+    return skeleton
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,15 @@ copy: the first builds and publishes it under a kernel lock, the others join. Th
 stores each streamed block in DLO's packed slot layout (one copy per dtype per block).
 Any failure keeps the already-valid ordinary tensors, logs why and counts the reason.
 
-What is verified when: every start checks the manifest (format, key, file sizes) and
-compares every mapped byte with the tensors this process loaded (it has them in memory
-anyway, and the comparison is a memory-speed pass), so a join can never stream bytes
-that differ from an ordinary load. The files' SHA-256 digests are recorded at publish
-and re-hashed on demand (reading the whole entry from disk at every start would cost a
-cold read of the model).
+A start whose source identity (checkpoint files' metadata and headers, config, dtype,
+...) was recorded by an earlier build or join skips loading the DiT altogether and binds
+its meta skeleton to the entry (skip-load).
+
+What is verified when: every start checks the manifest (format, key, each file's size
+and mtime). A build or join also compares every mapped byte with the tensors the process
+loaded (it has them in memory, and the comparison runs at memory speed), so a join never
+streams bytes that differ from an ordinary load. A skip-load start has no loaded tensors
+and re-hashes every file against the manifest instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dlo_worker.runtime_cache.entry import (
     content_digest,
     entry_nbytes,
     read_manifest,
+    verify_files,
     write_entry,
 )
 from dlo_worker.runtime_cache.identity import CacheIdentity, IdentityGuards, canonical_config
@@ -48,6 +52,8 @@ __all__ = [
     "RuntimeCacheEntry",
     "RuntimeCacheStore",
     "attach_runtime_cache",
+    "entry_for_source",
+    "record_source",
 ]
 
 
@@ -72,7 +78,7 @@ class CacheReport:
     """What one start did with the cache (``dlo-worker cache warm`` prints it as JSON)."""
 
     result: str
-    """``built``, ``joined`` or ``fallback``."""
+    """``built``, ``joined``, ``hit`` (skip-load) or ``fallback``."""
     key: str | None
     bytes: int
     seconds: float
@@ -82,7 +88,53 @@ class CacheReport:
     def describe(self) -> str:
         if self.result == "fallback":
             return f"ordinary (runtime cache fell back: {self.reason})"
+        if self.result == "hit":
+            return f"runtime-cache (skip-load hit on entry {self.key}: no checkpoint tensor read)"
         return f"runtime-cache ({self.result} entry {self.key})"
+
+
+def entry_for_source(
+    request: CacheRequest, source: str
+) -> tuple[RuntimeCacheEntry, CacheReport] | None:
+    """Skip-load: the mapped entry recorded for this source identity, or None on a miss.
+
+    There are no loaded tensors to compare with, so every file is re-hashed against the
+    manifest (in parallel; the read also brings the entry into the page cache that
+    streaming then reads). A corrupt entry is quarantined and the start loads ordinarily,
+    which rebuilds it.
+    """
+    started = time.perf_counter()
+    store = RuntimeCacheStore(request.root, request.lock_timeout, request.size_budget_bytes)
+    try:
+        store.prepare()
+        key = store.lookup_source(source)
+        entry = None if key is None else _open(store, key, store.entries / key)
+    except (CacheFallbackError, EntryError) as error:
+        logger.warning(
+            "runtime cache skip-load missed",
+            extra={"fields": {"source": source, "why": str(error)}},
+        )
+        return None
+    if entry is None:
+        return None
+    corrupt = verify_files(entry.directory, entry.manifest)
+    if corrupt:
+        entry.close()
+        store.repair(key, f"files whose SHA-256 differs from the manifest: {', '.join(corrupt)}")
+        return None
+    metrics.RUNTIME_CACHE_STARTS.labels(result="hit").inc()
+    seconds = time.perf_counter() - started
+    logger.info(
+        "runtime cache attached",
+        extra={"fields": {"key": key, "result": "hit", "seconds": round(seconds, 3)}},
+    )
+    size = sum(path.stat().st_size for path in entry.directory.iterdir())
+    return entry, CacheReport("hit", key, size, seconds, "")
+
+
+def record_source(request: CacheRequest, source: str, key: str) -> None:
+    """After a build or join: the next start with this source may skip loading."""
+    RuntimeCacheStore(request.root, request.lock_timeout).record_source(source, key)
 
 
 def attach_runtime_cache(

@@ -82,11 +82,12 @@ class RuntimeCacheStore:
         self.locks = root / "locks"
         self.tmp = root / "tmp"
         self.quarantine = root / "quarantine"
+        self.sources = root / "sources"
 
     def prepare(self) -> None:
         """Create the root's directories (a read-only or foreign root falls back)."""
         try:
-            for directory in (self.entries, self.locks, self.tmp, self.quarantine):
+            for directory in (self.entries, self.locks, self.tmp, self.quarantine, self.sources):
                 directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise _fallback_for(error, f"cannot prepare the cache root {self.root}") from error
@@ -178,6 +179,29 @@ class RuntimeCacheStore:
             size = sum(path.stat().st_size for path in entry.iterdir() if path.is_file())
             found.append((last_use, entry.name, size))
         return sorted(found)
+
+    def record_source(self, source: str, key: str) -> None:
+        """Remember that ``source`` (a source identity) loads to entry ``key``; atomic."""
+        self.prepare()
+        record = self.sources / f"{source}.json"
+        staging = self.tmp / f"{source}.source.{os.getpid()}.{next(_temporaries)}"
+        try:
+            staging.write_text(json.dumps({"key": key, "recorded": _iso(time.time())}) + "\n")
+            os.rename(staging, record)
+        except OSError as error:
+            staging.unlink(missing_ok=True)
+            logger.warning(
+                "runtime cache source not recorded (the next start loads ordinarily)",
+                extra={"fields": {"source": source, "why": str(error)}},
+            )
+
+    def lookup_source(self, source: str) -> str | None:
+        """The entry key recorded for ``source`` if that entry is published and sound."""
+        try:
+            key = json.loads((self.sources / f"{source}.json").read_text())["key"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return key if isinstance(key, str) and self._sound(self.entries / key, key) else None
 
     def describe(self) -> list[dict]:
         """Every published entry: key, DiT classes, bytes, creation, last use and how many
