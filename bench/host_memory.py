@@ -1,4 +1,5 @@
-"""Host memory of N worker processes on one node: checkpoint-backed DLO vs the ordinary path.
+"""Host memory of N worker processes on one node: checkpoint mmap, the runtime cache and
+the ordinary path; and how long each start takes to load.
 
 Each process is a real worker rank (torchrun, gloo, DP = N, rank-local DLO on the CPU)
 running one DiT forward so every block has streamed once; then, while all N are alive,
@@ -7,7 +8,11 @@ each reads its own ``/proc/self/smaps_rollup`` and the smaps of the checkpoint m
 - checkpoint-mmap: the loader's plan; blocks stay in the page cache, mapped by every
   process (shared), packed through two staging buffers per process;
 - ordinary: the same weights in a checkpoint that also holds one foreign tensor, which
-  the loader must load ordinarily as a unit; every process packs a private copy.
+  the loader must load ordinarily as a unit; every process packs a private copy;
+- runtime-cache (cold): that mixed checkpoint with ``--dlo-enable-runtime-cache`` on a fresh
+  root: every process loads ordinarily, one builds the entry and the others join it, then
+  all map it (shared) and free their private copies;
+- runtime-cache (warm): the same root again: every process skips loading (a hit).
 
     python bench/host_memory.py --processes 2 4 --json docs/bench-results/host_memory.json
 
@@ -50,8 +55,10 @@ def write_models(root: Path, layers: int, heads: int, head_dim: int) -> tuple[Pa
     return mapped, ordinary
 
 
-def measure_rank(model: Path, out: Path) -> None:
+def measure_rank(model: Path, out: Path, cache_root: Path | None) -> None:
     """Runs inside one torchrun rank."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -60,14 +67,19 @@ def measure_rank(model: Path, out: Path) -> None:
     from dlo_worker.worker import Worker
 
     world = int(os.environ["WORLD_SIZE"])
+    offload = {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False}
+    if cache_root is not None:
+        offload |= {"dlo_enable_runtime_cache": True, "dlo_runtime_cache_root": str(cache_root)}
     config = build_config(
         {
             "model": {"model": str(model), "device": "cpu"},
             "parallel": {"data_parallel_size": world},
-            "offload": {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False},
+            "offload": offload,
         }
     )
+    started = time.perf_counter()
     with Worker(config) as worker:
+        load_s = time.perf_counter() - started
         transformer = worker.pipeline.transformer
         size = transformer.config.sample_size
         latents = torch.randn(2, transformer.config.in_channels, size, size)
@@ -77,12 +89,20 @@ def measure_rank(model: Path, out: Path) -> None:
             )
         stats = worker.backend.stats()
         block_bytes = sum(layout.nbytes for layout in worker.backend.block_layouts())
-        files = sorted((model / "transformer").glob("*.safetensors"))
+        files = sorted(
+            (model / "transformer").glob("*.safetensors")
+            if stats.host_backing != "runtime-cache"
+            else cache_root.glob("entries/*/*.safetensors")
+        )
+        reason = worker.backing.reason
         dist.barrier()
         total, mapped = process_memory(), mapped_file_memory(files)
         dist.barrier()
     record = {
         "backing": stats.host_backing,
+        "cache": next((r for r in ("built", "joined", "hit") if f"{r} entry" in reason), None)
+        or ("hit" if "skip-load hit" in reason else None),
+        "load_s": load_s,
         "rss": total.rss,
         "pss": total.pss,
         "private": total.private,
@@ -97,8 +117,9 @@ def measure_rank(model: Path, out: Path) -> None:
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
 
 
-def run_case(model: Path, processes: int) -> list[dict]:
+def run_case(model: Path, processes: int, cache_root: Path | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
+        cache = ["--cache-root", str(cache_root)] if cache_root is not None else []
         subprocess.run(
             [
                 sys.executable,
@@ -112,6 +133,7 @@ def run_case(model: Path, processes: int) -> list[dict]:
                 str(model),
                 "--out",
                 out,
+                *cache,
             ],
             check=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -125,6 +147,10 @@ def summarize(records: list[dict]) -> dict:
 
     return {
         "backing": records[0]["backing"],
+        "cache": sorted(str(record["cache"]) for record in records)
+        if records[0]["cache"]
+        else None,
+        "load_s": max(record["load_s"] for record in records),
         "processes": len(records),
         "private_gib": mean("private") / GIB,
         "pss_gib": mean("pss") / GIB,
@@ -150,9 +176,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--cache-root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of is not None:
-        measure_rank(args.rank_of, args.out)
+        measure_rank(args.rank_of, args.out, args.cache_root)
         return
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("DLO_BENCH_DIR")) as root:
@@ -160,15 +187,20 @@ def main() -> None:
         for processes in args.processes:
             for model in (ordinary, mapped):
                 rows.append(summarize(run_case(model, processes)))
+            cache_root = Path(root) / f"cache-{processes}"
+            for _start in ("cold", "warm"):
+                rows.append(summarize(run_case(ordinary, processes, cache_root)))
     header = (
-        "| processes | backing | private / process | PSS / process | shared checkpoint pages "
-        "| DLO host copy | staging | node total |"
+        "| processes | backing (cache) | load, slowest rank | private / process | PSS / process "
+        "| shared file pages | DLO host copy | staging | node total |"
     )
     print(header)
-    print("|" + " --- |" * 8)
+    print("|" + " --- |" * 9)
     for row in rows:
+        cache = f" ({', '.join(row['cache'])})" if row["cache"] else ""
         print(
-            f"| {row['processes']} | {row['backing']} | {row['private_gib']:.2f} GiB "
+            f"| {row['processes']} | {row['backing']}{cache} | {row['load_s']:.1f} s "
+            f"| {row['private_gib']:.2f} GiB "
             f"| {row['pss_gib']:.2f} GiB | {row['checkpoint_shared_gib']:.2f} GiB "
             f"| {row['dlo_host_gib']:.2f} GiB | {row['staging_gib']:.3f} GiB "
             f"| {row['node_gib']:.2f} GiB |"
