@@ -290,6 +290,22 @@ class EngineStatus(_Api):
     restarts: int = 0
 
 
+class CacheNodeStatus(_Api):
+    node: str
+    state: str
+    """Pending, Warming, Warm or Failed."""
+    reason: str = ""
+
+
+class CacheStatus(_Api):
+    """Per-node runtime-cache warming for the current identity."""
+
+    warm_hash: str = ""
+    warm: str = ""
+    """``<warm nodes>/<eligible nodes>`` (a printer column)."""
+    nodes: list[CacheNodeStatus] = []
+
+
 class DiffusionDeploymentStatus(_Api):
     replicas: int = 0
     ready_replicas: int = 0
@@ -299,3 +315,4 @@ class DiffusionDeploymentStatus(_Api):
     observed_generation: int | None = None
     conditions: list[Condition] = []
     engines: list[EngineStatus] = []
+    cache: CacheStatus | None = None

@@ -137,6 +137,12 @@ def custom_resource_definition() -> dict[str, Any]:
                             "type": "string",
                             "jsonPath": '.status.conditions[?(@.type=="Available")].status',
                         },
+                        {
+                            "name": "Cache",
+                            "type": "string",
+                            "description": "Nodes whose runtime cache is warm / eligible nodes.",
+                            "jsonPath": ".status.cache.warm",
+                        },
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

@@ -1,7 +1,8 @@
 """kopf wiring: every trigger runs the same idempotent sync; all decisions live in reconcile.
 
 Triggers: the DiffusionDeployment's create/resume/update, a 10 s timer, and any
-event of a child Pod (a failed or deleted rank restarts its engine promptly).
+event of a child Pod (a failed or deleted rank restarts its engine promptly) or of a
+warm Job (a node's cache state is reported promptly).
 I/O only: read the object, its Pods and its other children, call
 :func:`dlo_operator.reconcile.reconcile`, create, patch and delete what it says
 (409/404 are success: another sync did it), patch status and post the Events whose
@@ -37,7 +38,8 @@ from dlo_operator.reconcile import (
     invalid_spec_conditions,
     reconcile,
 )
-from dlo_operator.render import LABEL_DEPLOYMENT, Owner
+from dlo_operator.render import GPU_RESOURCE, LABEL_DEPLOYMENT, Owner
+from dlo_operator.warming import ObservedJob, ObservedNode, warming_enabled
 
 ANNOTATION_PREFIX = GROUP
 TIMER_INTERVAL_S = 10.0
@@ -85,6 +87,7 @@ _CHILD_APIS: dict[str, tuple[type, str]] = {
     "Service": (client.CoreV1Api, "namespaced_service"),
     "PodDisruptionBudget": (client.PolicyV1Api, "namespaced_pod_disruption_budget"),
     "NetworkPolicy": (client.NetworkingV1Api, "namespaced_network_policy"),
+    "Job": (client.BatchV1Api, "namespaced_job"),
 }
 """Every kind of child besides Pods: its API class and method suffix."""
 
@@ -101,6 +104,26 @@ def _observe_children(name: str, namespace: str) -> list[ObservedChild]:
         for kind in _CHILD_APIS
         for item in _child_call(kind, "list")(namespace, label_selector=label_selector).items
     ]
+
+
+def _observe_warming(
+    spec: DiffusionDeploymentSpec, name: str, namespace: str
+) -> tuple[list[ObservedNode], list[ObservedJob]]:
+    """The cluster's nodes and this deployment's warm Jobs (only with the runtime cache)."""
+    if not warming_enabled(spec):
+        return [], []
+    sanitize = api().sanitize_for_serialization
+    nodes = [
+        ObservedNode.from_manifest(sanitize(node), GPU_RESOURCE)
+        for node in client.CoreV1Api(api()).list_node().items
+    ]
+    jobs = [
+        ObservedJob.from_manifest(sanitize(job))
+        for job in client.BatchV1Api(api())
+        .list_namespaced_job(namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}")
+        .items
+    ]
+    return nodes, jobs
 
 
 def _unless(error: client.ApiException, status: int) -> None:
@@ -125,7 +148,8 @@ def _apply(namespace: str, actions: Actions) -> set[str]:
             )
     for kind, name in actions.delete_children:
         try:
-            _child_call(kind, "delete")(name, namespace)
+            # Background: a Job's Pods go with it (a Job's default is to orphan them).
+            _child_call(kind, "delete")(name, namespace, propagation_policy="Background")
         except client.ApiException as error:
             _unless(error, 404)
     for pod in actions.create_pods:
@@ -203,7 +227,10 @@ def _sync(name: str, namespace: str) -> None:
     observed = [ObservedPod.from_manifest(api().sanitize_for_serialization(p)) for p in pods]
     owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
     children = _observe_children(name, namespace)
-    actions = reconcile(owner, spec, generation, observed, previous, children=children)
+    nodes, jobs = _observe_warming(spec, name, namespace)
+    actions = reconcile(
+        owner, spec, generation, observed, previous, children=children, nodes=nodes, jobs=jobs
+    )
     changed = _apply(namespace, actions)
     _patch_status(namespace, name, actions.status)
     _post(body, actions.events, changed)
@@ -249,4 +276,10 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def on_pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
+    sync(labels[LABEL_DEPLOYMENT], namespace)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+def on_warm_job_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
+    """A warm Job started, finished or failed: report the node's cache state."""
     sync(labels[LABEL_DEPLOYMENT], namespace)

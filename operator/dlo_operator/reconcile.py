@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from dlo_operator.api import (
+    CacheStatus,
     Condition,
     DiffusionDeploymentSpec,
     DiffusionDeploymentStatus,
@@ -39,6 +40,15 @@ from dlo_operator.render import (
     render_engine_pods,
     selector,
     spec_hash,
+    warm_template_hash,
+)
+from dlo_operator.warming import (
+    ObservedJob,
+    ObservedNode,
+    cache_status,
+    eligible_nodes,
+    warm_nodes,
+    warming_enabled,
 )
 from dlo_operator.workerconfig import InvalidSpecError, validate
 
@@ -194,9 +204,18 @@ class _Pass:
     generation: int
     pods: list[ObservedPod]
     previous: DiffusionDeploymentStatus
+    nodes: list[ObservedNode] = field(default_factory=list)
+    jobs: list[ObservedJob] = field(default_factory=list)
     actions: Actions = field(default_factory=Actions)
     phases: dict[int, EnginePhase] = field(default_factory=dict)
     restarts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def cache(self) -> CacheStatus | None:
+        """Per-node warming of the current identity (None without the runtime cache)."""
+        if not warming_enabled(self.spec):
+            return None
+        return cache_status(self.spec, self.nodes, self.jobs, warm_template_hash(self.spec))
 
     @property
     def prior_conditions(self) -> dict[str, Condition]:
@@ -232,9 +251,14 @@ def reconcile(
     previous: DiffusionDeploymentStatus,
     *,
     children: Iterable[ObservedChild] = (),
+    nodes: Iterable[ObservedNode] = (),
+    jobs: Iterable[ObservedJob] = (),
 ) -> Actions:
-    """The actions that move the children towards ``spec``, and the status to report."""
-    state = _Pass(owner, spec, generation, list(pods), previous)
+    """The actions that move the children towards ``spec``, and the status to report.
+
+    ``nodes`` and ``jobs`` (the warm Jobs) matter only with the runtime cache enabled.
+    """
+    state = _Pass(owner, spec, generation, list(pods), previous, nodes=list(nodes), jobs=list(jobs))
     try:
         validate(spec)
     except InvalidSpecError as error:
@@ -329,9 +353,10 @@ def _create_missing_pods(state: _Pass) -> None:
         live = [pod for pod in state.engine_pods(engine) if not pod.terminating]
         if present and not live:
             continue  # the old Pods are still terminating; create once they are gone
+        warm = warm_nodes(state.cache)
         missing = [
             pod
-            for pod in render_engine_pods(state.owner, state.spec, engine)
+            for pod in render_engine_pods(state.owner, state.spec, engine, warm)
             if pod["metadata"]["name"] not in present
         ]
         if not missing:
@@ -358,7 +383,10 @@ def _roll_one_engine(state: _Pass) -> None:
 
 def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
     """Create or patch every rendered child whose hash differs; delete the unrendered."""
-    desired = render_children(state.owner, state.spec)
+    eligible = [node.name for node in eligible_nodes(state.spec, state.nodes)]
+    desired = render_children(
+        state.owner, state.spec, eligible if warming_enabled(state.spec) else ()
+    )
     current = {(child.kind, child.name): child.config_hash for child in observed}
     wanted = set()
     for item in desired:
@@ -438,4 +466,5 @@ def _report_status(state: _Pass) -> None:
             for engine in range(spec.replicas)
         ],
         conditions=conditions,
+        cache=state.cache,
     )

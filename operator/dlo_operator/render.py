@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import ROUND_CEILING, Decimal
 from typing import Any
@@ -30,6 +31,14 @@ from dlo_operator.api import (
     VERSION,
     DiffusionDeploymentSpec,
     LockedMemory,
+)
+from dlo_operator.warming import (
+    ANNOTATION_NODE,
+    LABEL_WARM_HASH,
+    WARM_DEADLINE_S,
+    job_name,
+    warm_arguments,
+    warming_enabled,
 )
 from dlo_operator.workerconfig import (
     RUNTIME_CACHE_MOUNT_PATH,
@@ -260,8 +269,24 @@ def _probes(spec: DiffusionDeploymentSpec) -> dict[str, dict]:
     }
 
 
-def _affinity(owner: Owner, spec: DiffusionDeploymentSpec, engine: int) -> dict[str, Any]:
+def _affinity(
+    owner: Owner, spec: DiffusionDeploymentSpec, engine: int, warm: Sequence[str]
+) -> dict[str, Any]:
     affinity = json.loads(json.dumps(spec.scheduling.affinity or {}))
+    if warm:
+        preferred = affinity.setdefault("nodeAffinity", {}).setdefault(
+            "preferredDuringSchedulingIgnoredDuringExecution", []
+        )
+        preferred.append(
+            {
+                "weight": 50,
+                "preference": {
+                    "matchExpressions": [
+                        {"key": "kubernetes.io/hostname", "operator": "In", "values": list(warm)}
+                    ]
+                },
+            }
+        )
     same_engine = {"labelSelector": {"matchLabels": _engine_labels(owner, engine)}}
     anti = affinity.setdefault("podAntiAffinity", {})
     anti.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(
@@ -330,8 +355,13 @@ def _runtime_cache_owner(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
 
 
 def render_pod(
-    owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int
+    owner: Owner,
+    spec: DiffusionDeploymentSpec,
+    engine: int,
+    node: int,
+    warm: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """One engine Pod; ``warm`` names nodes whose runtime cache holds the entry (preferred)."""
     labels = {
         **_engine_labels(owner, engine),
         LABEL_NODE_RANK: str(node),
@@ -371,7 +401,7 @@ def render_pod(
         "securityContext": pod_security,
         "containers": [container],
         "volumes": volumes,
-        "affinity": _affinity(owner, spec, engine),
+        "affinity": _affinity(owner, spec, engine, warm),
     }
     if any(volume["name"] == "runtime-cache" for volume in volumes):
         pod_spec["initContainers"] = [_runtime_cache_owner(spec)]
@@ -470,20 +500,98 @@ def render_client_service(owner: Owner, spec: DiffusionDeploymentSpec) -> dict[s
     }
 
 
-def render_engine_pods(owner: Owner, spec: DiffusionDeploymentSpec, engine: int) -> list[dict]:
-    return [render_pod(owner, spec, engine, node) for node in range(pods_per_engine(spec))]
+def render_engine_pods(
+    owner: Owner, spec: DiffusionDeploymentSpec, engine: int, warm: Sequence[str] = ()
+) -> list[dict]:
+    return [render_pod(owner, spec, engine, node, warm) for node in range(pods_per_engine(spec))]
 
 
-def render_children(owner: Owner, spec: DiffusionDeploymentSpec) -> list[dict]:
+def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
+    """The Pod template of every warm Job (:mod:`dlo_operator.warming`), before its node:
+    ``dlo-worker cache warm`` with the engines' flags, image, volumes and hardening,
+    without GPUs. Its Pod does not carry the deployment label: it is not an engine Pod."""
+    pod_security, container_security = _security_contexts(spec)
+    if spec.locked_memory == LockedMemory.IPC_LOCK:
+        # Warming pins nothing: it keeps the non-root user.
+        container_security = {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+    volumes, mounts = _volumes(spec)
+    resources = {
+        kind: {key: value for key, value in values.items() if key != GPU_RESOURCE}
+        for kind, values in _resources(spec).items()
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security,
+        "initContainers": [_runtime_cache_owner(spec)],
+        "containers": [
+            {
+                "name": "warm",
+                "image": spec.worker.image,
+                "imagePullPolicy": spec.worker.image_pull_policy.value,
+                "command": ["dlo-worker", *warm_arguments(spec)],
+                "env": [
+                    {"name": "HOME", "value": WORKER_HOME},
+                    {"name": "USER", "value": WORKER_USER},
+                ],
+                "resources": resources,
+                "securityContext": container_security,
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if spec.scheduling.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    return {"spec": pod_spec}
+
+
+def warm_template_hash(spec: DiffusionDeploymentSpec) -> str:
+    rendered = json.dumps(warm_template(spec), sort_keys=True)
+    return hashlib.sha256(rendered.encode()).hexdigest()[:10]
+
+
+def render_warm_job(owner: Owner, spec: DiffusionDeploymentSpec, node: str) -> dict[str, Any]:
+    """One node's warm Job: the warm template pinned to ``node``."""
+    digest = warm_template_hash(spec)
+    template = warm_template(spec)
+    template["spec"]["nodeName"] = node
+    template["metadata"] = {"labels": {LABEL_WARM_HASH: digest}}
+    labels = {LABEL_DEPLOYMENT: owner.name, LABEL_WARM_HASH: digest}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(
+            owner, job_name(owner.name, digest, node), labels, {ANNOTATION_NODE: node}
+        ),
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": WARM_DEADLINE_S,
+            "template": template,
+        },
+    }
+
+
+def render_children(
+    owner: Owner, spec: DiffusionDeploymentSpec, warm_on: Sequence[str] = ()
+) -> list[dict]:
     """Every object besides Pods, each annotated with the hash of its rendering.
 
     The client Service and the budget; per engine a headless Service and, unless
-    disabled, a NetworkPolicy. Objects of engines beyond ``replicas`` are not here, so
-    scaling down removes them.
+    disabled, a NetworkPolicy; with the runtime cache, a warm Job per node of
+    ``warm_on``. Objects of engines beyond ``replicas`` are not here, so scaling down
+    removes them; warm Jobs of a former identity are not either.
     """
     items = [render_client_service(owner, spec), render_budget(owner, spec)]
     for engine in range(spec.replicas):
         items.append(render_engine_service(owner, engine))
         if spec.network_policy.enabled:
             items.append(render_network_policy(owner, spec, engine))
+    if warming_enabled(spec):
+        items += [render_warm_job(owner, spec, node) for node in warm_on]
     return [_with_config_hash(item) for item in items]

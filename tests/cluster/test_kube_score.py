@@ -44,7 +44,7 @@ def _rendered_objects() -> list[dict]:
         owner = Owner(name, "serving", "uid")
         for engine in range(spec.replicas):
             items += render_engine_pods(owner, spec, engine)
-        items += render_children(owner, spec)
+        items += render_children(owner, spec, ["node-a"])  # with the cache: a warm Job
     return items
 
 

@@ -232,7 +232,15 @@ def test_the_example_becomes_exactly_the_rendered_objects(
         assert pod["metadata"]["labels"] == expected[name]["metadata"]["labels"]
     table = _kubectl(cluster, "get", "diffusiondeployments", "-n", namespace)
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NAME", "REPLICAS", "READY", "UP-TO-DATE", "AVAILABLE", "AGE"]
+    assert header.split() == [
+        "NAME",
+        "REPLICAS",
+        "READY",
+        "UP-TO-DATE",
+        "AVAILABLE",
+        "CACHE",  # empty: the example does not enable the runtime cache
+        "AGE",
+    ]
     assert row.split()[:5] == ["flux", "2", "2", "2", "True"]
 
 
