@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 
-def generate(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    command = [
+def _generate_argv(model: Path, out: Path, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "dlo_worker",
@@ -23,12 +26,17 @@ def generate(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess
         "--seed",
         "7",
         "--out",
-        str(out),
+        str(out) if str(out) != "." else "",
         "--device",
         "cpu",
         *extra,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+
+
+def generate(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _generate_argv(model, out, *extra), capture_output=True, text=True, timeout=600, check=False
+    )
 
 
 def digest(path: Path) -> str:
@@ -69,3 +77,75 @@ def test_offload_policies_not_in_this_build_exit_2_before_loading(
     assert result.returncode == 2
     assert "Loading pipeline components" not in result.stderr
     assert not out.exists()
+
+
+def _refused_before_loading(result: subprocess.CompletedProcess[str], named: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr
+    assert "Loading pipeline components" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unusable_out_path_exits_2_before_loading(demo_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-directory").mkdir()
+    regular = tmp_path / "regular.txt"
+    regular.write_text("x")
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    cases = {
+        "": "--out is empty",
+        str(tmp_path / "a-directory"): "is a directory",
+        str(regular / "image.png"): "is not a directory",
+        str(fifo): "is not a regular file",
+        str(tmp_path / "missing" / "image.png"): "does not exist; create it, or add --make-parents",
+    }
+    for out, named in cases.items():
+        _refused_before_loading(generate(demo_model_dir, Path(out) if out else Path("")), named)
+    assert stat.S_ISFIFO(fifo.stat().st_mode)  # never replaced
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+def test_a_read_only_out_directory_exits_2_before_loading(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    script = 'mount -t tmpfs -o ro tmpfs "$1" && shift && exec "$@"'
+    command = [sys.executable, "-m", "dlo_worker", "generate", "--model", str(demo_model_dir)]
+    result = subprocess.run(
+        [
+            *("unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"),
+            *(str(directory), *command, "--device", "cpu", "--out", str(directory / "x.png")),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    _refused_before_loading(result, "is not writable")
+
+
+def test_the_png_follows_the_umask_or_keeps_an_existing_files_mode(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    new = tmp_path / "new.png"
+    result = subprocess.run(
+        ["sh", "-c", 'umask 027 && exec "$@"', "sh", *_generate_argv(demo_model_dir, new)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE(new.stat().st_mode) == 0o640
+    existing = tmp_path / "existing.png"
+    existing.write_bytes(b"old")
+    existing.chmod(0o644)
+    assert generate(demo_model_dir, existing).returncode == 0
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o644
+    assert existing.read_bytes().startswith(b"\x89PNG")
+
+
+def test_make_parents_creates_the_missing_directories(demo_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b" / "image.png"
+    result = generate(demo_model_dir, out, "--make-parents")
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes().startswith(b"\x89PNG")

@@ -196,6 +196,7 @@ def _executable_config(args: argparse.Namespace) -> WorkerConfig:
 def _command_generate(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     config = _executable_config(args)
+    _check_outputs(args.out, config, make_parents=args.make_parents)
 
     from dlo_worker.generate import generate_image, write_png
     from dlo_worker.worker import Worker
@@ -209,11 +210,23 @@ def _command_generate(args: argparse.Namespace) -> int:
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
     out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
-    path = write_png(image, out)
+    path = write_png(image, out, make_parents=args.make_parents)
     if backing is not None:
         print(f"host backing: {backing.backing} - {backing.reason}")
     print(f"image written to {path}")
     return 0
+
+
+def _check_outputs(out_text: str, config: WorkerConfig, *, make_parents: bool) -> None:
+    """Every rank's output path, before the model loads (exit 2 naming the problem)."""
+    from dlo_worker.output import OutputPathError, check_output_path
+
+    if not out_text.strip():
+        raise OutputPathError("--out is empty; name the PNG file to write (e.g. --out image.png)")
+    out = Path(out_text)
+    ranks = config.parallel.data_parallel_size
+    for rank in range(ranks):
+        check_output_path(rank_output_path(out, rank, ranks), make_parents=make_parents)
 
 
 def _command_serve(args: argparse.Namespace) -> int:
@@ -360,7 +373,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate_parser = commands.add_parser(
         "generate", parents=[common], help="Generate one image and write it as PNG (deterministic)."
     )
-    generate_parser.add_argument("--out", required=True, help="Output PNG path.")
+    generate_parser.add_argument(
+        "--out",
+        required=True,
+        help="Output PNG path (checked before the model loads; never replaces a directory, "
+        "FIFO or device; an existing file keeps its mode, a new one follows the umask).",
+    )
+    generate_parser.add_argument(
+        "--make-parents",
+        action="store_true",
+        help="Create missing parent directories of --out (default: refuse).",
+    )
     _add_model_fields(generate_parser, _REQUEST_PREFIX, GenerationRequest, "request options")
     for prefix, model in _CONFIG_GROUPS.items():
         _add_model_fields(generate_parser, prefix, model, f"{prefix} options")

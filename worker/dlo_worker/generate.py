@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlo_worker.errors import UserFixableError
+from dlo_worker.output import check_output_path, new_file_mode
 from dlo_worker.requests import GenerationRequest
 
 if TYPE_CHECKING:
@@ -57,15 +58,21 @@ def generate_image(pipeline: DiffusionPipeline, request: GenerationRequest) -> I
     return pipeline(**pipeline_arguments(pipeline, request)).images[0]
 
 
-def write_png(image: Image.Image, path: Path) -> Path:
-    """Write ``image`` as PNG atomically: a reader sees the old file or the whole new one."""
+def write_png(image: Image.Image, path: Path, *, make_parents: bool = False) -> Path:
+    """Write ``image`` as PNG atomically (a reader sees the old file or the whole new one),
+    with the mode :func:`dlo_worker.output.new_file_mode` gives; the path was checked with
+    :func:`dlo_worker.output.check_output_path` before the model loaded."""
     path = path.resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_output_path(path, make_parents=make_parents)
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    mode = new_file_mode(path)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as stream:
             image.save(stream, format="PNG")
             stream.flush()
+            os.fchmod(stream.fileno(), mode)
             os.fsync(stream.fileno())
         os.replace(temporary, path)
     except BaseException:
