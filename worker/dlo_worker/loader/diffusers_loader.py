@@ -36,7 +36,7 @@ from dlo_worker.config import (
 )
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
-from dlo_worker.loader.checkpoint import read_checkpoint_index
+from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
 from dlo_worker.loader.model_directory import check_model_directory, quiet_diffusers_handlers
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
@@ -368,6 +368,7 @@ def prepare_dit(
 
         discover(skeleton, config.offload.dlo_block_paths)
     resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
+    check_config_matches_weights(component_dir, skeleton, resolution)
     if not streams_dit:
         reason = "ordinary (DLO is off, nothing streams)"
     else:
@@ -388,6 +389,32 @@ def prepare_dit(
             _materialize(skeleton, resolution), None, reason, tuple(resolution.adapters)
         )
     return PreparedDiT(None, None, reason)
+
+
+def check_config_matches_weights(
+    component_dir: Path, skeleton: nn.Module, resolution: Resolution
+) -> None:
+    """``config.json`` and the weights describe the same model: every parameter has a
+    source, and no checkpoint tensor belongs to one of the model's own modules without
+    being used (``num_layers`` one too high or too low). Tensors of other components (a
+    mixed source) may sit beside them. Raises :class:`CheckpointError` naming the file."""
+    parameters = {name for name, _ in skeleton.named_parameters()}
+    missing = [name for name in resolution.missing if name in parameters]
+    if missing:
+        raise CheckpointError(
+            f"{component_dir}: config.json describes {len(missing)} parameter(s) the weights "
+            f"lack (first: {missing[0]!r}); config.json and the checkpoint disagree (e.g. "
+            "num_layers): fix config.json or copy the matching weights"
+        )
+    own_modules = {name for name, _ in skeleton.named_children()}
+    stray = [key for key in resolution.unused if key.split(".", 1)[0] in own_modules]
+    if stray:
+        raise CheckpointError(
+            f"{component_dir}: the weights hold {len(stray)} tensor(s) of this model's own "
+            f"modules that config.json does not describe (first: {stray[0]!r}); config.json "
+            "and the checkpoint disagree (e.g. num_layers): fix config.json or copy the "
+            "matching weights"
+        )
 
 
 def _skeleton(model_class: type, component_dir: Path, dtype: torch.dtype) -> nn.Module:

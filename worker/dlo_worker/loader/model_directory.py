@@ -49,7 +49,74 @@ def check_model_directory(model_dir: Path) -> str:
         raise ModelDirectoryError(
             f"--model {model_dir}: model_index.json has no '_class_name' naming the pipeline"
         )
+    for component, entry in index.items():
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers":
+            check_diffusers_component(model_dir / component)
     return class_name
+
+
+_WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")
+_OTHER_WEIGHTS = ("diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
+
+
+def check_diffusers_component(directory: Path) -> None:
+    """One diffusers component of the pipeline: a scheduler's config, or a model's
+    ``config.json`` and weights, every safetensors file whole. Reads headers only."""
+    if not directory.is_dir():
+        raise ModelDirectoryError(
+            f"{directory}: the component model_index.json names is missing; copy the complete "
+            "pipeline directory again"
+        )
+    if (directory / "scheduler_config.json").is_file():
+        _read_json_object(directory / "scheduler_config.json")
+        return
+    _read_json_object(directory / "config.json")
+    if not any((directory / name).is_file() for name in (*_WEIGHTS, *_OTHER_WEIGHTS)):
+        raise ModelDirectoryError(
+            f"{directory}: no weights ({_WEIGHTS[0]} or a shard index); copy the complete "
+            "pipeline directory again"
+        )
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors_file(weights)
+
+
+def check_safetensors_file(path: Path) -> None:
+    """The header parses and the tensors' byte ranges end exactly where the file does."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            header_length = int.from_bytes(handle.read(8), "little")
+            if header_length <= 0 or 8 + header_length > size:
+                raise ValueError("the header is longer than the file")
+            header = json.loads(handle.read(header_length))
+        ends = [
+            tensor["data_offsets"][1] for name, tensor in header.items() if name != "__metadata__"
+        ]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        raise ModelDirectoryError(
+            f"{path}: not a readable safetensors file ({error}); copy it again"
+        ) from None
+    expected = 8 + header_length + max(ends, default=0)
+    if size != expected:
+        raise ModelDirectoryError(
+            f"{path}: {size} bytes, but its header describes {expected}: the file is "
+            f"{'truncated' if size < expected else 'padded'}; copy it again"
+        )
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirectoryError(
+            f"{path}: missing; every model component needs its config.json (copy the complete "
+            "pipeline directory again)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelDirectoryError(f"{path}: not valid JSON ({error}); fix or replace it") from None
+    if not isinstance(value, dict):
+        raise ModelDirectoryError(f"{path}: must hold a JSON object")
+    return value
 
 
 def quiet_diffusers_handlers() -> None:
