@@ -14,6 +14,12 @@ from tests.support.checkpoints import copy_pipeline
 from tests.support.generate import ENV, generate_argv
 
 
+def _generate(model: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        generate_argv(model, out, 0), env=ENV, capture_output=True, text=True, check=False
+    )
+
+
 def _drop_config(model: Path) -> Path:
     (model / "transformer" / "config.json").unlink()
     return model / "transformer" / "config.json"
@@ -68,16 +74,44 @@ def test_a_broken_model_exits_2_naming_the_file_before_loading(
     breaks, says = CASES[case]
     model = copy_pipeline(demo_model_dir, tmp_path / "model")
     named = breaks(model)
-    result = subprocess.run(
-        generate_argv(model, tmp_path / "x.png", 0),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = _generate(model, tmp_path / "x.png")
     assert result.returncode == 2, result.stderr
     assert f"{named}" in result.stderr
     assert says in result.stderr
     assert "Traceback" not in result.stderr
     assert "Loading pipeline components" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def _fill_block(model: Path, value: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    for key in state:
+        if key.startswith("transformer_blocks.3."):
+            state[key].fill_(value)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def test_non_finite_weights_exit_2_naming_the_tensor(demo_model_dir: Path, tmp_path: Path) -> None:
+    model = copy_pipeline(demo_model_dir, tmp_path / "model")
+    _fill_block(model, float("nan"))
+    result = _generate(model, tmp_path / "x.png")
+    assert result.returncode == 2, result.stderr
+    assert f"{model / 'transformer'}: " in result.stderr
+    assert "hold NaN or infinity (first: 'transformer_blocks.3." in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_image_that_overflows_exits_1_instead_of_writing_a_black_png(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    model = copy_pipeline(demo_model_dir, tmp_path / "model")
+    _fill_block(model, 3e38)  # finite weights, overflowing activations
+    result = _generate(model, tmp_path / "x.png")
+    assert result.returncode == 1, result.stderr
+    assert "the decoded image holds" in result.stderr
+    assert "NaN or infinite" in result.stderr
+    assert "Traceback" not in result.stderr
     assert not (tmp_path / "x.png").exists()

@@ -198,14 +198,18 @@ def _command_generate(args: argparse.Namespace) -> int:
     config = _executable_config(args)
     _check_outputs(args.out, config, make_parents=args.make_parents)
 
-    from dlo_worker.generate import generate_image, write_png
+    from dlo_worker.generate import NonFiniteOutputError, generate_image, write_png
     from dlo_worker.worker import Worker
 
     with Worker(config) as worker:
         rank = worker.topology.coordinates.data_parallel_rank
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
         rank_request = request.model_copy(update={"seed": request.seed + rank})
-        image = generate_image(worker.pipeline, rank_request)
+        try:
+            image = generate_image(worker.pipeline, rank_request)
+        except NonFiniteOutputError as error:
+            print(f"dlo-worker generate: error: {error}", file=sys.stderr)
+            return EXIT_FAILURE
         backing = worker.backing
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})

@@ -13,8 +13,10 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from dlo_worker import metrics
 from dlo_worker.errors import UserFixableError
 from dlo_worker.output import check_output_path, new_file_mode
 from dlo_worker.requests import GenerationRequest
@@ -28,6 +30,10 @@ class UnsupportedPipelineError(TypeError, UserFixableError):
     """The pipeline takes neither class labels nor a prompt."""
 
 
+class NonFiniteOutputError(RuntimeError):
+    """The decoded image holds NaN or infinity: written as PNG it would be silently black."""
+
+
 def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) -> dict[str, Any]:
     """The keyword arguments that run ``request`` on ``pipeline``.
 
@@ -38,7 +44,9 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
         "num_inference_steps": request.steps,
         "guidance_scale": request.guidance_scale,
         "generator": torch.Generator(device="cpu").manual_seed(request.seed),
-        "output_type": "pil",
+        # Floats, checked for NaN and infinity before they become PIL pixels (the same
+        # conversion diffusers applies for "pil", so images are byte-identical).
+        "output_type": "np",
     }
     if "class_labels" in accepted:
         arguments["class_labels"] = [request.class_label]
@@ -54,8 +62,22 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
 
 @torch.inference_mode()
 def generate_image(pipeline: DiffusionPipeline, request: GenerationRequest) -> Image.Image:
-    """Run the denoising loop (diffusers shows a progress bar per step) and decode one image."""
-    return pipeline(**pipeline_arguments(pipeline, request)).images[0]
+    """Run the denoising loop (diffusers shows a progress bar per step) and decode one image.
+
+    Raises :class:`NonFiniteOutputError` (counted in ``dlo_nonfinite_outputs_total``) when
+    the decoded image holds NaN or infinity, instead of returning a black image.
+    """
+    images = pipeline(**pipeline_arguments(pipeline, request)).images
+    finite = np.isfinite(images)
+    if not finite.all():
+        metrics.NONFINITE_OUTPUTS.inc()
+        bad = int(finite.size - finite.sum())
+        raise NonFiniteOutputError(
+            f"the decoded image holds {bad} of {finite.size} values that are NaN or infinite: "
+            "the model's weights or this request overflow (e.g. a huge guidance_scale); no "
+            "image was written"
+        )
+    return pipeline.numpy_to_pil(images)[0]
 
 
 def write_png(image: Image.Image, path: Path, *, make_parents: bool = False) -> Path:

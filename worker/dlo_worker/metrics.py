@@ -53,4 +53,8 @@ RUNTIME_CACHE_BUILD_SECONDS = Histogram(
 RUNTIME_CACHE_BYTES = Counter(
     "dlo_runtime_cache_written_bytes", "Bytes of runtime-cache entries this process published."
 )
+NONFINITE_OUTPUTS = Counter(
+    "dlo_nonfinite_outputs",
+    "Generations whose decoded image held NaN or infinity (refused, not written).",
+)
 HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")

@@ -123,6 +123,8 @@ class DiffusersPipelineLoader:
         )
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module) and name not in prepared.bound:
+                if name in DIT_COMPONENTS:
+                    check_finite_parameters(self.model_dir / name, component)
                 streamed_later = self.streams_dit and name in DIT_COMPONENTS
                 component.to(torch.device("cpu") if streamed_later else self.device)
         backing = self._host_backing(pipeline, hit, prepared, source)
@@ -389,6 +391,27 @@ def prepare_dit(
             _materialize(skeleton, resolution), None, reason, tuple(resolution.adapters)
         )
     return PreparedDiT(None, None, reason)
+
+
+class NonFiniteWeightsError(ValueError, UserFixableError):
+    """A DiT's loaded parameters hold NaN or infinity."""
+
+
+def check_finite_parameters(component_dir: Path, module: nn.Module) -> None:
+    """Refuse a DiT whose loaded parameters hold NaN or infinity (fatal: every image would
+    be NaN, i.e. black). Buffers are not checked: masks legitimately hold -inf. DiTs bound
+    to a checkpoint mapping are not read here (that would read the whole checkpoint at
+    start); their images are still checked for NaN when generated."""
+    bad = [
+        name
+        for name, parameter in module.named_parameters()
+        if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all())
+    ]
+    if bad:
+        raise NonFiniteWeightsError(
+            f"{component_dir}: {len(bad)} parameter(s) hold NaN or infinity (first: "
+            f"{bad[0]!r}); the weights are corrupt: copy them again"
+        )
 
 
 def check_config_matches_weights(
