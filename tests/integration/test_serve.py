@@ -184,3 +184,41 @@ def test_allgather_engine_serves_resident_bytes_and_drains_on_sigterm(
             "dlo disabled",
             "process groups destroyed",
         )
+
+
+def test_sigterm_closes_intake_within_a_second_while_a_long_request_runs(
+    demo_model_dir: Path,
+) -> None:
+    """Kubernetes stops routing to a Pod whose readiness fails: it must fail at once, not
+    when the wave in flight ends. The long request still completes."""
+    port = free_port()
+    server = Server(
+        [sys.executable, "-m", "dlo_worker", *serve_command(demo_model_dir, port)], port
+    )
+    try:
+        server.wait_ready()
+        in_flight: dict[str, requests.Response] = {}
+        slow = threading.Thread(
+            target=lambda: in_flight.setdefault("response", server.generate({"steps": 400}))
+        )
+        slow.start()
+        time.sleep(2)  # inside the long request's denoising loop
+        assert slow.is_alive()
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while requests.get(f"{server.url}/health/ready", timeout=2).status_code != 503:
+            assert time.monotonic() - signalled < 1.0, "readiness still 200 a second after SIGTERM"
+            time.sleep(0.02)
+        ready = requests.get(f"{server.url}/health/ready", timeout=2)
+        assert ready.json()["status"] == "draining"
+        refused = server.generate({"steps": 2})
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"]
+        assert time.monotonic() - signalled < 1.5
+        assert slow.is_alive()  # the long request is still running
+        slow.join(timeout=300)
+        assert in_flight["response"].status_code == 200
+        assert in_flight["response"].content.startswith(b"\x89PNG")
+    finally:
+        output = server.stop()
+    assert_in_order(output, "intake closed, draining", "engine drained")

@@ -11,8 +11,9 @@ so a wave only holds requests with the same :func:`wave_key` and idle ranks run 
 dummy copy of the wave's first request whose image is discarded. Otherwise (resident
 or rank-local DLO) idle ranks simply sit the wave out and requests mix freely.
 
-Stopping: :meth:`Engine.request_stop` (SIGTERM on the leader) closes intake; the leader
-keeps taking waves until the queue is empty, then broadcasts a stop message that every
+Stopping: :meth:`Engine.request_stop` (SIGTERM on the leader) closes intake at once, from
+a watcher thread, even while a wave runs; the leader keeps taking waves until the queue is
+empty, then broadcasts a stop message that every
 rank obeys. Followers ignore their own SIGTERM and wait for that message, because the
 leader's drain needs them.
 """
@@ -234,15 +235,30 @@ class Engine:
         self.channel = ControlChannel(world_size)
         self._on_intake_closed = on_intake_closed
         self._stop_requested = threading.Event()
+        self._intake_lock = threading.Lock()
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
 
     def request_stop(self) -> None:
-        """Ask for the drain. Only sets a flag, so it is safe in a signal handler; the
-        leader's loop closes intake within one heartbeat and finishes what is queued."""
+        """Ask for the drain. Only sets an event, so it is safe in a signal handler: the
+        leader's intake watcher closes intake at once (readiness turns 503 ``draining``
+        even while a wave runs) and the loop finishes what is queued."""
         self._stop_requested.set()
+
+    def _close_intake_on_stop(self) -> None:
+        """The leader's watcher thread: a signal handler must not take the queue's lock."""
+        self._stop_requested.wait()
+        self._close_intake()
+
+    def _close_intake(self) -> None:
+        with self._intake_lock:
+            if self.queue is None or not self.queue.accepting:
+                return
+            self.queue.close()
+            self._on_intake_closed()
+            logger.info("intake closed, draining", extra={"fields": {"queued": len(self.queue)}})
 
     def run(self) -> None:
         """Serve until the leader's stop message, then return (the caller disables DLO)."""
@@ -252,6 +268,10 @@ class Engine:
             "engine serving",
             extra={"fields": {"rank": self.rank, "lockstep": self.lockstep}},
         )
+        if self.is_leader:
+            threading.Thread(
+                target=self._close_intake_on_stop, name="dlo-intake-watcher", daemon=True
+            ).start()
         while True:
             taken, wave = self._next_wave()
             wave = self.channel.broadcast(wave)
@@ -270,11 +290,7 @@ class Engine:
         if not self.is_leader or self.queue is None:
             return [], None
         if self._stop_requested.is_set():
-            if self.queue.accepting:
-                self.queue.close()
-                self._on_intake_closed()
-                queued = len(self.queue)
-                logger.info("intake closed, draining", extra={"fields": {"queued": queued}})
+            self._close_intake()
             if len(self.queue) == 0:
                 return [], Wave(stop=True)
         return self.queue.take_wave(self.world_size, self.lockstep, HEARTBEAT_S)
