@@ -149,3 +149,22 @@ def test_make_parents_creates_the_missing_directories(demo_model_dir: Path, tmp_
     result = generate(demo_model_dir, out, "--make-parents")
     assert result.returncode == 0, result.stderr
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--class-label", "5000"), "class_label: 5000 is not a class of this model (0-999)"),
+        (("--prompt", "a cat"), "prompt: DiTPipeline is class-conditional and takes no prompt"),
+        (("--guidance-scale", "1e30"), "--guidance-scale"),
+    ],
+    ids=["class-out-of-range", "prompt-on-dit", "huge-guidance"],
+)
+def test_requests_the_model_cannot_take_exit_2(
+    demo_model_dir: Path, tmp_path: Path, flags: tuple[str, ...], says: str
+) -> None:
+    result = generate(demo_model_dir, tmp_path / "x.png", *flags)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()

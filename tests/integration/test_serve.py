@@ -186,7 +186,7 @@ def test_allgather_engine_serves_resident_bytes_and_drains_on_sigterm(
         )
 
 
-def test_sigterm_closes_intake_within_a_second_while_a_long_request_runs(
+def test_requests_are_validated_against_the_model_and_sigterm_closes_intake_at_once(
     demo_model_dir: Path,
 ) -> None:
     """Kubernetes stops routing to a Pod whose readiness fails: it must fail at once, not
@@ -197,6 +197,15 @@ def test_sigterm_closes_intake_within_a_second_while_a_long_request_runs(
     )
     try:
         server.wait_ready()
+        # Requests are validated against the loaded pipeline (a DiT of 1000 classes).
+        for body, says in (
+            ({"class_label": 999999}, "class_label: 999999 is not a class of this model (0-999)"),
+            ({"prompt": "a cat"}, "prompt: DiTPipeline is class-conditional"),
+            ({"guidance_scale": 1e30}, "guidance_scale"),
+        ):
+            refused = server.generate(body)
+            assert refused.status_code == 422, refused.text
+            assert says in refused.json()["error"]
         in_flight: dict[str, requests.Response] = {}
         slow = threading.Thread(
             target=lambda: in_flight.setdefault("response", server.generate({"steps": 400}))

@@ -198,10 +198,18 @@ def _command_generate(args: argparse.Namespace) -> int:
     config = _executable_config(args)
     _check_outputs(args.out, config, make_parents=args.make_parents)
 
-    from dlo_worker.generate import NonFiniteOutputError, generate_image, write_png
+    from dlo_worker.generate import (
+        NonFiniteOutputError,
+        generate_image,
+        request_limits,
+        write_png,
+    )
+    from dlo_worker.requests import request_problems
     from dlo_worker.worker import Worker
 
     with Worker(config) as worker:
+        if problems := request_problems(request, request_limits(worker.pipeline)):
+            raise UsageError("; ".join(problems))
         rank = worker.topology.coordinates.data_parallel_rank
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
         rank_request = request.model_copy(update={"seed": request.seed + rank})

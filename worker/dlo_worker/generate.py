@@ -19,7 +19,7 @@ import torch
 from dlo_worker import metrics
 from dlo_worker.errors import UserFixableError
 from dlo_worker.output import check_output_path, new_file_mode
-from dlo_worker.requests import GenerationRequest
+from dlo_worker.requests import GenerationRequest, RequestLimits
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -58,6 +58,18 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
             "dlo-worker generate cannot condition it"
         )
     return {name: value for name, value in arguments.items() if name in accepted}
+
+
+def request_limits(pipeline: DiffusionPipeline) -> RequestLimits:
+    """What requests the loaded pipeline takes: its conditioning and, for class-conditional
+    DiTs, the number of classes its label embedding holds."""
+    accepted = inspect.signature(pipeline.__call__).parameters
+    name = type(pipeline).__name__
+    if "class_labels" in accepted:
+        config = getattr(getattr(pipeline, "transformer", None), "config", {})
+        classes = config.get("num_embeds_ada_norm") if hasattr(config, "get") else None
+        return RequestLimits(name, "class", int(classes) if classes else None)
+    return RequestLimits(name, "prompt")
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ from dlo_worker import metrics
 from dlo_worker.config import ShardingGroup, WorkerConfig
 from dlo_worker.engine import Engine, RequestQueue
 from dlo_worker.errors import UserFixableError
+from dlo_worker.generate import request_limits
 from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
 from dlo_worker.worker import Worker
 
@@ -87,6 +88,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
                 "host backing",
                 extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
             )
+            state.set_limits(request_limits(worker.pipeline))
             if queue is not None:
                 queue.open()
             state.set_phase(Phase.READY)

@@ -29,7 +29,7 @@ from dlo_worker.engine import (
     QueueFullError,
     RequestQueue,
 )
-from dlo_worker.requests import GenerationRequest
+from dlo_worker.requests import GenerationRequest, RequestLimits, request_problems
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,18 @@ class ServerState:
     def __init__(self, queue: RequestQueue | None) -> None:
         self.queue = queue
         self._phase = Phase.LOADING
+        self._limits: RequestLimits | None = None
         self._lock = threading.Lock()
+
+    @property
+    def limits(self) -> RequestLimits | None:
+        """What the loaded pipeline accepts (None while loading)."""
+        with self._lock:
+            return self._limits
+
+    def set_limits(self, limits: RequestLimits) -> None:
+        with self._lock:
+            self._limits = limits
 
     @property
     def phase(self) -> Phase:
@@ -136,10 +147,15 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         body = self.rfile.read(length)
         try:
-            return GenerationRequest.model_validate_json(body or b"{}")
+            request = GenerationRequest.model_validate_json(body or b"{}")
         except ValidationError as error:
             self._reject(HTTPStatus.UNPROCESSABLE_ENTITY, describe_body_error(error))
             return None
+        limits = self.server.state.limits
+        if limits is not None and (problems := request_problems(request, limits)):
+            self._reject(HTTPStatus.UNPROCESSABLE_ENTITY, "; ".join(problems))
+            return None
+        return request
 
     def _reject(self, status: HTTPStatus, message: str) -> None:
         metrics.REQUESTS.labels(outcome="rejected_invalid").inc()
