@@ -243,6 +243,13 @@ class Scheduling(_Api):
     )
 
 
+class SecretKey(_Api):
+    """A key of a Secret in the deployment's namespace."""
+
+    name: str = Field(min_length=1, description="Secret name.")
+    key: str = Field(default="api-key", min_length=1, description="Key inside the Secret.")
+
+
 class DiffusionDeploymentSpec(_Api):
     """The desired state: ``replicas`` independent engines of one model."""
 
@@ -266,6 +273,11 @@ class DiffusionDeploymentSpec(_Api):
     shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
     scheduling: Scheduling = Scheduling()
     port: int = Field(default=8000, ge=1, le=65535, description="Worker HTTP port.")
+    api_key_secret: SecretKey | None = Field(
+        default=None,
+        description="Require 'Authorization: Bearer <key>' on generation routes, the key "
+        "read from this Secret (health and metrics stay open). Default: no API key.",
+    )
     termination_grace_period_seconds: int = Field(
         default=120, ge=0, description="Time for drain, DLO disable and process-group teardown."
     )

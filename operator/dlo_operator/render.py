@@ -60,6 +60,8 @@ CONTAINER = "worker"
 MASTER_PORT = 29500
 TORCHRUN_EXIT_MARGIN_S = 10
 GPU_RESOURCE = "nvidia.com/gpu"
+API_KEY_ENV = "DLO_API_KEY"
+"""The worker reads its API key from this variable (``dlo-worker serve --api-key``)."""
 NRI_ULIMIT_ANNOTATION = f"ulimits.nri.containerd.io/container.{CONTAINER}"
 STARTUP_BUDGET_S = 3600
 """Loading and pinning a large DiT can take tens of minutes; liveness starts after it."""
@@ -175,7 +177,17 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         # custom image, an arbitrary-UID platform) would make that lookup raise at import.
         "USER": WORKER_USER,
     }
-    return [{"name": key, "value": value} for key, value in values.items()]
+    env: list[dict] = [{"name": key, "value": value} for key, value in values.items()]
+    if spec.api_key_secret is not None:
+        # From the Secret, never on the command line (visible in the process list).
+        secret = spec.api_key_secret
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
+    return env
 
 
 def torchrun_shutdown_timeout(spec: DiffusionDeploymentSpec) -> int:

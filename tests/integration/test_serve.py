@@ -50,10 +50,14 @@ def serve_command(model: Path, port: int, *flags: str) -> list[str]:
 class Server:
     """A running ``dlo-worker serve`` process tree and its base URL."""
 
-    def __init__(self, command: list[str], port: int) -> None:
+    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
-            command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            env={**ENV, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -220,6 +224,7 @@ def test_requests_are_validated_against_the_model_and_sigterm_closes_intake_at_o
             time.sleep(0.02)
         ready = requests.get(f"{server.url}/health/ready", timeout=2)
         assert ready.json()["status"] == "draining"
+        assert ready.headers["Server"] == "dlo-worker"  # no Python or library versions
         refused = server.generate({"steps": 2})
         assert refused.status_code == 503
         assert refused.headers["Retry-After"]
@@ -231,3 +236,30 @@ def test_requests_are_validated_against_the_model_and_sigterm_closes_intake_at_o
     finally:
         output = server.stop()
     assert_in_order(output, "intake closed, draining", "engine drained")
+
+
+def test_an_api_key_guards_generation_and_leaves_health_open(demo_model_dir: Path) -> None:
+    port = free_port()
+    server = Server(
+        [sys.executable, "-m", "dlo_worker", *serve_command(demo_model_dir, port)],
+        port,
+        env={"DLO_API_KEY": "s3cret"},
+    )
+    url = f"{server.url}/v1/generate"
+    try:
+        server.wait_ready()
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            refused = requests.post(url, json={"steps": 2}, headers=headers, timeout=60)
+            assert refused.status_code == 401, headers
+            assert refused.headers["WWW-Authenticate"] == "Bearer"
+            assert "Traceback" not in refused.text
+        served = requests.post(
+            url, json={"steps": 2}, headers={"Authorization": "Bearer s3cret"}, timeout=600
+        )
+        assert served.status_code == 200
+        assert served.content.startswith(b"\x89PNG")
+        assert requests.get(f"{server.url}/metrics", timeout=5).status_code == 200
+        metrics = requests.get(f"{server.url}/metrics", timeout=5).text
+        assert 'dlo_requests_total{outcome="rejected_unauthorized"} 3.0' in metrics
+    finally:
+        server.stop()

@@ -338,3 +338,10 @@ def test_spec_hash_ignores_replicas_but_not_pod_fields() -> None:
     assert spec_hash(spec()) != spec_hash(spec(shmSize="8Gi"))
     pod = leader(spec())
     assert pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] == spec_hash(spec())
+
+
+def test_the_api_key_comes_from_the_secret_as_an_environment_variable() -> None:
+    pod = leader(spec(apiKeySecret={"name": "flux-api"}))
+    (variable,) = [item for item in container(pod)["env"] if item["name"] == "DLO_API_KEY"]
+    assert variable["valueFrom"] == {"secretKeyRef": {"name": "flux-api", "key": "api-key"}}
+    assert not any("api" in argument for argument in container(pod)["command"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dlo_worker.cli")
 
+API_KEY_ENV = "DLO_API_KEY"
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
@@ -246,8 +248,14 @@ def _command_serve(args: argparse.Namespace) -> int:
 
     from dlo_worker.serve import ServeOptions, serve
 
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise UsageError(f"--api-key (or ${API_KEY_ENV}) is empty; set a key or leave it unset")
     options = ServeOptions(
-        host=args.host, port=args.port, max_queued_requests=args.max_queued_requests
+        host=args.host,
+        port=args.port,
+        max_queued_requests=args.max_queued_requests,
+        api_key=api_key.strip() if api_key else None,
     )
     serve(config, options)
     return 0
@@ -411,6 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument(
         "--port", type=_port, default=8000, help="HTTP port of local rank 0 (default: 8000)."
+    )
+    serve_parser.add_argument(
+        "--api-key",
+        help=f"Require 'Authorization: Bearer <key>' on generation routes (default: "
+        f"${API_KEY_ENV}, else off; health and metrics stay open). Prefer the variable: a "
+        "flag is visible in the process list.",
     )
     serve_parser.add_argument(
         "--max-queued-requests",

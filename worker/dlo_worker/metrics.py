@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge, Histogram, Info
 REQUESTS = Counter(
     "dlo_requests",
     "Generation requests by outcome (ok, failed, rejected_invalid, rejected_busy, "
-    "rejected_unavailable).",
+    "rejected_unavailable, rejected_unauthorized).",
     ["outcome"],
 )
 REQUEST_SECONDS = Histogram(

@@ -37,6 +37,8 @@ class ServeOptions:
     host: str = "0.0.0.0"
     port: int = 8000
     max_queued_requests: int = 64
+    api_key: str | None = None
+    """Required as ``Authorization: Bearer`` on POST routes; health and metrics stay open."""
 
 
 def lockstep_waves(config: WorkerConfig) -> bool:
@@ -63,7 +65,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     queue = RequestQueue(options.max_queued_requests) if rank == 0 else None
-    state = ServerState(queue)
+    state = ServerState(queue, options.api_key)
     server = _listen(options, state) if local_rank == 0 else None
     if server is not None:
         server.start()

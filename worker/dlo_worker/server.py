@@ -13,6 +13,7 @@ while generation itself runs on the main thread in :mod:`dlo_worker.engine`.
 from __future__ import annotations
 
 import enum
+import hmac
 import json
 import logging
 import threading
@@ -54,8 +55,10 @@ class Phase(enum.Enum):
 class ServerState:
     """What the probes report; flipped by the serving lifecycle, read by handler threads."""
 
-    def __init__(self, queue: RequestQueue | None) -> None:
+    def __init__(self, queue: RequestQueue | None, api_key: str | None = None) -> None:
         self.queue = queue
+        self.api_key = api_key
+        """When set, ``POST`` routes need ``Authorization: Bearer <api_key>``."""
         self._phase = Phase.LOADING
         self._limits: RequestLimits | None = None
         self._lock = threading.Lock()
@@ -85,6 +88,19 @@ class ServerState:
 class _Handler(BaseHTTPRequestHandler):
     server: WorkerHTTPServer
     protocol_version = "HTTP/1.1"
+    def version_string(self) -> str:
+        """The Server header names the product, not the Python or library versions."""
+        return "dlo-worker"
+
+    def _authorized(self) -> bool:
+        """Constant-time check of the bearer token (always true without an API key)."""
+        key = self.server.state.api_key
+        if key is None:
+            return True
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        )
 
     def do_GET(self) -> None:
         if self.path == "/health/live":
@@ -98,16 +114,32 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
 
-    def do_POST(self) -> None:
+    def _admitted_queue(self) -> RequestQueue | None:
+        """The leader's queue for a known route and an authorized client, or None after
+        answering with the error."""
         if self.path != GENERATE_PATH:
             self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
-            return
-        queue = self.server.state.queue
-        if queue is None:
+            return None
+        if not self._authorized():
+            metrics.REQUESTS.labels(outcome="rejected_unauthorized").inc()
+            # The body stays unread, so this connection cannot carry another request.
+            self.close_connection = True
+            self._send_json(
+                HTTPStatus.UNAUTHORIZED,
+                {"error": "missing or wrong API key: send Authorization: Bearer <key>"},
+                extra_headers={"WWW-Authenticate": "Bearer"},
+            )
+            return None
+        if self.server.state.queue is None:
             self._send_json(
                 HTTPStatus.MISDIRECTED_REQUEST,
                 {"error": "this Pod is not the engine's leader; send requests to its Service"},
             )
+        return self.server.state.queue
+
+    def do_POST(self) -> None:
+        queue = self._admitted_queue()
+        if queue is None:
             return
         request = self._read_request()
         if request is None:
@@ -161,8 +193,15 @@ class _Handler(BaseHTTPRequestHandler):
         metrics.REQUESTS.labels(outcome="rejected_invalid").inc()
         self._send_json(status, {"error": message})
 
-    def _send_json(self, status: HTTPStatus, body: dict, retry: bool = False) -> None:
+    def _send_json(
+        self,
+        status: HTTPStatus,
+        body: dict,
+        retry: bool = False,
+        extra_headers: dict[str, str] | None = None,
+    ) -> None:
         headers = {"Retry-After": "5"} if retry else {}
+        headers |= extra_headers or {}
         self._send(status, json.dumps(body).encode() + b"\n", "application/json", headers)
 
     def _send(
