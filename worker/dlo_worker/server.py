@@ -88,6 +88,7 @@ class ServerState:
 class _Handler(BaseHTTPRequestHandler):
     server: WorkerHTTPServer
     protocol_version = "HTTP/1.1"
+
     def version_string(self) -> str:
         """The Server header names the product, not the Python or library versions."""
         return "dlo-worker"
