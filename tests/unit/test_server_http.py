@@ -93,3 +93,36 @@ def test_metrics_are_exposed(leader: tuple[str, ServerState]) -> None:
     body = requests.get(f"{url}/metrics", timeout=5).text
     assert "dlo_ready 1.0" in body
     assert "dlo_request_queue_depth" in body
+
+
+def test_query_strings_are_ignored_and_wrong_methods_get_405(
+    leader: tuple[str, ServerState],
+) -> None:
+    url, state = leader
+    state.set_phase(Phase.READY)
+    assert requests.get(f"{url}/health/ready?probe=kubelet", timeout=5).status_code == 200
+    for method, path, allow in (
+        ("GET", GENERATE_PATH, "POST"),
+        ("PUT", GENERATE_PATH, "POST"),
+        ("DELETE", "/health/ready", "GET"),
+        ("POST", "/metrics", "GET"),
+    ):
+        response = requests.request(method, f"{url}{path}", timeout=5)
+        assert response.status_code == 405, (method, path)
+        assert response.headers["Allow"] == allow
+
+
+def test_transfer_encoding_is_refused(leader: tuple[str, ServerState]) -> None:
+    """Content-Length beside Transfer-Encoding is a request-smuggling shape: 400, closed."""
+    import socket
+
+    url, _ = leader
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as connection:
+        connection.sendall(
+            b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        )
+        answer = connection.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 400")
+    assert "Transfer-Encoding is not accepted" in answer

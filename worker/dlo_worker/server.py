@@ -19,6 +19,7 @@ import logging
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -36,6 +37,13 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
 GENERATE_PATH = "/v1/generate"
+ROUTES: dict[str, frozenset[str]] = {
+    "/health/live": frozenset({"GET"}),
+    "/health/ready": frozenset({"GET"}),
+    "/metrics": frozenset({"GET"}),
+    GENERATE_PATH: frozenset({"POST"}),
+}
+"""Every route and the methods it answers (others get 405 with ``Allow``)."""
 
 
 def describe_body_error(error: ValidationError) -> str:
@@ -103,23 +111,52 @@ class _Handler(BaseHTTPRequestHandler):
             token.strip().encode(), key.encode()
         )
 
+    @property
+    def route(self) -> str:
+        """The request's path without its query string (which no route uses)."""
+        return urlsplit(self.path).path
+
+    def _routed(self, method: str) -> bool:
+        """True for a known route and method; otherwise answers 404, or 405 with Allow."""
+        allowed = ROUTES.get(self.route)
+        if allowed is None:
+            self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.route}"})
+            return False
+        if method not in allowed:
+            self.close_connection = True  # a body, if any, stays unread
+            self._send_json(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                {"error": f"{method} is not allowed on {self.route}"},
+                extra_headers={"Allow": ", ".join(sorted(allowed))},
+            )
+            return False
+        return True
+
+    def do_PUT(self) -> None:
+        self._routed("PUT")
+
+    def do_DELETE(self) -> None:
+        self._routed("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._routed("PATCH")
+
     def do_GET(self) -> None:
-        if self.path == "/health/live":
+        if not self._routed("GET"):
+            return
+        if self.route == "/health/live":
             self._send_json(HTTPStatus.OK, {"status": "live"})
-        elif self.path == "/health/ready":
+        elif self.route == "/health/ready":
             phase = self.server.state.phase
             status = HTTPStatus.OK if phase is Phase.READY else HTTPStatus.SERVICE_UNAVAILABLE
             self._send_json(status, {"status": phase.value})
-        elif self.path == "/metrics":
-            self._send(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
         else:
-            self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+            self._send(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
 
     def _admitted_queue(self) -> RequestQueue | None:
         """The leader's queue for a known route and an authorized client, or None after
         answering with the error."""
-        if self.path != GENERATE_PATH:
-            self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
+        if not self._routed("POST"):
             return None
         if not self._authorized():
             metrics.REQUESTS.labels(outcome="rejected_unauthorized").inc()
@@ -164,6 +201,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_request(self) -> GenerationRequest | None:
         """The validated body, or None after answering with the error."""
+        if "Transfer-Encoding" in self.headers:
+            # Chunked bodies are not accepted; with a Content-Length beside it, a proxy and
+            # this server could frame the stream differently (request smuggling).
+            self.close_connection = True
+            self._reject(
+                HTTPStatus.BAD_REQUEST, "Transfer-Encoding is not accepted; send Content-Length"
+            )
+            return None
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
