@@ -166,12 +166,13 @@ def test_a_truncated_manifest_is_quarantined_and_rebuilt(
     assert digest(tmp_path / "b.png") == resident_digest
 
 
-def _hold_lock(path: Path) -> subprocess.Popen:
-    """Another process that holds an exclusive flock on ``path`` until killed."""
+def _hold_lock(path: Path, mode: str = "LOCK_EX") -> subprocess.Popen:
+    """Another process that holds a ``flock`` on ``path`` until killed: exclusive (a builder)
+    or ``LOCK_SH`` (a process that maps the entry)."""
     code = (
-        "import fcntl, os, sys, time\n"
+        "import fcntl, os, time\n"
         f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        f"fcntl.flock(fd, fcntl.{mode})\n"
         "print('locked', flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -334,20 +335,6 @@ def _entry_bytes(entry: Path) -> int:
     return sum(path.stat().st_size for path in entry.iterdir())
 
 
-def _hold_shared_lock(path: Path) -> subprocess.Popen:
-    """Another process that maps an entry: it holds the entry's ``use`` lock shared."""
-    code = (
-        "import fcntl, os, time\n"
-        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_SH)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    return holder
-
-
 @pytest.mark.parametrize("first_in_use", [False, True], ids=["idle", "in-use"])
 def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
     mixed_model: Path, resident_digest: str, tmp_path: Path, first_in_use: bool
@@ -357,7 +344,7 @@ def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
     # Room for the float32 entry and a bit more: not for the bfloat16 one beside it.
     budget = f"{_entry_bytes(root / 'entries' / first) * 1.2 / 2**30:.9f}"
     flags = ("--dlo-runtime-cache-size-budget-gib", budget)
-    holder = _hold_shared_lock(root / "locks" / f"{first}.use") if first_in_use else None
+    holder = _hold_lock(root / "locks" / f"{first}.use", "LOCK_SH") if first_in_use else None
     try:
         log = run_cached(mixed_model, tmp_path / "b.png", root, "--dtype", "bfloat16", *flags)
     finally:
@@ -415,7 +402,7 @@ def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path:
     assert listed["components"] == {"transformer": "DiTTransformer2DModel"}
     assert listed["bytes"] == report["bytes"]
     assert listed["in_use_by"] == 0
-    holder = _hold_shared_lock(root / "locks" / f"{key}.use")
+    holder = _hold_lock(root / "locks" / f"{key}.use", "LOCK_SH")
     try:
         (listed,) = json.loads(cache_cli("ls", "--root", str(root)).stdout)
         assert listed["in_use_by"] == 1

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dlo_worker.offload import OffloadConfig, enable_dlo
-from tests.support.equivalence import run_equivalence
+from tests.support.equivalence import check_shard_ring_rank
 from tests.support.tiny_models import plain_stack
 
 CPU = torch.device("cpu")
@@ -24,17 +24,7 @@ def _staged_ahead_rank(rank: int, world_size: int, store_path: str, depth: int) 
     )
     torch.set_num_threads(1)
     try:
-        result = run_equivalence(
-            "plain",
-            CPU,
-            use_allgather=True,
-            process_group=dist.group.WORLD,
-            allgather_shard_buffers=depth,
-            blocks=BLOCKS,
-        )
-        assert result.bitwise_equal
-        assert result.stats.on_demand_loads == 0
-        assert result.stats.device_slot_bytes == (2 + depth / world_size) * max(result.block_bytes)
+        check_shard_ring_rank(CPU, depth, BLOCKS)
 
         case = plain_stack(blocks=BLOCKS)
         backend = enable_dlo(

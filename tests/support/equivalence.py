@@ -99,17 +99,25 @@ def check_allgather_rank(device: torch.device) -> list[tuple[str, dict, Equivale
         assert result.stats.host_bytes < sum(result.block_bytes) / world_size * 1.05 + 4096
         results.append((name, options, result))
     for depth in (2, 6):
-        result = run_equivalence(
-            "plain",
-            device,
-            use_allgather=True,
-            process_group=dist.group.WORLD,
-            allgather_shard_buffers=depth,
-            blocks=7,
-        )
-        assert result.bitwise_equal, f"{depth} shard buffers: rank {rank} differs from resident"
-        assert result.stats.on_demand_loads == 0
+        check_shard_ring_rank(device, depth)
     return results
+
+
+def check_shard_ring_rank(device: torch.device, depth: int, blocks: int = 7) -> None:
+    """On one rank of the default group: AllGather with ``depth`` shard buffers matches
+    resident bitwise, loads nothing on demand and holds two slots plus ``depth`` shards."""
+    world_size = dist.get_world_size()
+    result = run_equivalence(
+        "plain",
+        device,
+        use_allgather=True,
+        process_group=dist.group.WORLD,
+        allgather_shard_buffers=depth,
+        blocks=blocks,
+    )
+    assert result.bitwise_equal, f"{depth} shard buffers: rank {dist.get_rank()} differs"
+    assert result.stats.on_demand_loads == 0
+    assert result.stats.device_slot_bytes == (2 + depth / world_size) * max(result.block_bytes)
 
 
 def _output(output: object) -> torch.Tensor:
