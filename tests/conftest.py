@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from dlo_worker.numerics import pin_cpu_blas_numerics
+
+# In-process comparisons (tests/support/equivalence.py) run with the worker's CPU numerics.
+pin_cpu_blas_numerics()
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from dlo_worker import __version__, logs
+from dlo_worker import __version__, logs, numerics
 from dlo_worker.config import (
     NEGATIVE_FLAGS,
     ConfigError,
@@ -440,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    numerics.pin_cpu_blas_numerics()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     logs.configure(args.log_level)
