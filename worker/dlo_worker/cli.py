@@ -166,9 +166,14 @@ def _command_config(args: argparse.Namespace) -> int:
 
 
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.demo_model import write_demo_model
+    from dlo_worker.demo_model import DemoKind, write_demo_model
 
-    path = write_demo_model(Path(args.directory), seed=args.seed, overwrite=args.overwrite)
+    path = write_demo_model(
+        Path(args.directory),
+        seed=args.seed,
+        overwrite=args.overwrite,
+        kind=DemoKind(args.kind),
+    )
     print(f"demo model written to {path}")
     return 0
 
@@ -381,9 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser(
         "demo-model",
         parents=[common],
-        help="Write the small built-in DiT pipeline (offline, deterministic).",
+        help="Write a small built-in pipeline (offline, deterministic).",
     )
     demo_parser.add_argument("directory", help="Target directory (created).")
+    demo_parser.add_argument(
+        "--kind",
+        choices=["dit", "flux"],
+        default="dit",
+        help="dit: class-conditional DiTPipeline (default); flux: text-to-image FluxPipeline "
+        "with CLIP and T5 text encoders.",
+    )
     demo_parser.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
     demo_parser.add_argument(
         "--overwrite", action="store_true", help="Replace the directory if it is not empty."

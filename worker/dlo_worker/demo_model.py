@@ -1,23 +1,42 @@
-"""The embedded demo model: a small class-conditional DiT pipeline with seeded random weights.
+"""The embedded demo models: small pipelines with seeded random weights, built offline.
 
-It exists so the whole product (loading, DLO streaming, serving, the operator's
-Pods) can run on a laptop CPU with no download. The structure is real diffusers
-classes (``DiTPipeline`` = ``DiTTransformer2DModel`` + ``AutoencoderKL`` + a
-scheduler), so every code path that handles a real DiT handles this one; only the
-sizes are small. The same seed always writes the same bytes.
+They exist so the whole product (loading, DLO streaming, serving, the operator's
+Pods) can run on a laptop CPU with no download. Two kinds, both real diffusers
+classes with small sizes, so every code path that handles the real model handles them:
+
+- ``dit``: class-conditional ``DiTPipeline`` (``DiTTransformer2DModel`` + ``AutoencoderKL``).
+- ``flux``: text-to-image ``FluxPipeline`` (``FluxTransformer2DModel`` with double- and
+  single-stream blocks, CLIP and T5 text encoders, and their tokenizers), which is what
+  users deploy. The tokenizers are built here from a byte-level (CLIP) and a character
+  (T5) vocabulary, so no tokenizer file is downloaded.
+
+The same kind and seed always write the same bytes.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
+import string
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DiffusionPipeline,
+    DiTPipeline,
+    DiTTransformer2DModel,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
 
 from dlo_worker.errors import UserFixableError
 
@@ -42,12 +61,27 @@ class DemoModelExistsError(FileExistsError, UserFixableError):
     """The target directory already holds files and overwriting was not asked for."""
 
 
-def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> DiTPipeline:
-    """Construct the demo pipeline in memory, deterministically from ``seed``."""
-    shape = shape or DemoModelShape()
+class DemoKind(enum.StrEnum):
+    DIT = "dit"
+    FLUX = "flux"
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's global generator for module construction, then restore it."""
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
+        yield
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
+def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> DiTPipeline:
+    """Construct the class-conditional demo pipeline in memory, deterministically from
+    ``seed``."""
+    shape = shape or DemoModelShape()
+    with _seeded(seed):
         transformer = DiTTransformer2DModel(
             num_attention_heads=shape.num_attention_heads,
             attention_head_dim=shape.attention_head_dim,
@@ -70,10 +104,138 @@ def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> D
             norm_num_groups=32,
             sample_size=shape.latent_size * 2 ** (len(shape.vae_block_out_channels) - 1),
         )
-    finally:
-        torch.random.set_rng_state(generator_state)
     scheduler = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear")
     return DiTPipeline(transformer=transformer.eval(), vae=vae.eval(), scheduler=scheduler)
+
+
+@dataclass(frozen=True)
+class DemoFluxShape:
+    """Sizes of the text-to-image demo; 256x256 images take about a second on a CPU.
+
+    The layout is Flux's: double-stream blocks, then single-stream blocks (DLO streams
+    both lists), a 3-level VAE (8-pixel size multiple) and guidance embedding as in
+    FLUX.1-dev, so ``guidance_scale`` takes effect.
+    """
+
+    num_double_blocks: int = 2
+    num_single_blocks: int = 4
+    num_attention_heads: int = 2
+    attention_head_dim: int = 16
+    text_hidden_size: int = 32
+    latent_channels: int = 4
+    vae_block_out_channels: tuple[int, ...] = (32, 64, 64)
+
+
+def _byte_level_vocabulary() -> dict[str, int]:
+    """CLIP's byte-level alphabet, each symbol alone and as a word end, with no merges:
+    every text tokenizes (one token per byte), offline and deterministically."""
+    from tokenizers import pre_tokenizers
+
+    vocabulary = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    for suffix in ("", "</w>"):
+        for symbol in alphabet:
+            vocabulary[symbol + suffix] = len(vocabulary)
+    return vocabulary
+
+
+def _character_vocabulary() -> list[tuple[str, float]]:
+    """A unigram vocabulary of single characters for the T5 tokenizer (SentencePiece's
+    word-start marker ``\u2581`` included); anything else maps to ``<unk>``."""
+    marker = "\u2581"
+    vocabulary = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (marker, -2.0)]
+    characters = string.ascii_lowercase + string.ascii_uppercase + string.digits
+    vocabulary += [(marker + character, -2.5) for character in characters]
+    vocabulary += [(character, -3.0) for character in characters + string.punctuation]
+    return vocabulary
+
+
+def build_demo_flux_pipeline(seed: int = 0, shape: DemoFluxShape | None = None) -> FluxPipeline:
+    """Construct the text-to-image demo pipeline in memory, deterministically from ``seed``."""
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5TokenizerFast,
+    )
+
+    shape = shape or DemoFluxShape()
+    clip_vocabulary = _byte_level_vocabulary()
+    t5_vocabulary = _character_vocabulary()
+    hidden = shape.text_hidden_size
+    with _seeded(seed):
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(clip_vocabulary),
+                hidden_size=hidden,
+                intermediate_size=2 * hidden,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=77,
+                projection_dim=hidden,
+                bos_token_id=0,
+                eos_token_id=1,
+                pad_token_id=1,
+            )
+        )
+        t5 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(t5_vocabulary),
+                d_model=hidden,
+                d_ff=2 * hidden,
+                d_kv=8,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * shape.latent_channels,  # 2x2 latent patches, packed
+            num_layers=shape.num_double_blocks,
+            num_single_layers=shape.num_single_blocks,
+            attention_head_dim=shape.attention_head_dim,
+            num_attention_heads=shape.num_attention_heads,
+            joint_attention_dim=hidden,
+            pooled_projection_dim=hidden,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=shape.latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * len(shape.vae_block_out_channels),
+            up_block_types=("UpDecoderBlock2D",) * len(shape.vae_block_out_channels),
+            block_out_channels=shape.vae_block_out_channels,
+            layers_per_block=1,
+            norm_num_groups=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=vae.eval(),
+        text_encoder=clip.eval(),
+        tokenizer=CLIPTokenizer(vocab=clip_vocabulary, merges=[], model_max_length=77),
+        text_encoder_2=t5.eval(),
+        tokenizer_2=T5TokenizerFast(vocab=t5_vocabulary, extra_ids=0, model_max_length=512),
+        transformer=transformer.eval(),
+    )
+
+
+DEMO_BUILDERS: dict[DemoKind, Callable[..., DiffusionPipeline]] = {
+    DemoKind.DIT: build_demo_pipeline,
+    DemoKind.FLUX: build_demo_flux_pipeline,
+}
 
 
 def _make_readable(root: Path) -> None:
@@ -89,9 +251,16 @@ def _make_readable(root: Path) -> None:
 
 
 def write_demo_model(
-    target: Path, *, seed: int = 0, overwrite: bool = False, shape: DemoModelShape | None = None
+    target: Path,
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+    kind: DemoKind = DemoKind.DIT,
+    shape: DemoModelShape | DemoFluxShape | None = None,
 ) -> Path:
-    """Write the demo pipeline to ``target`` as a diffusers directory (safetensors weights).
+    """Write a demo pipeline of ``kind`` to ``target`` as a diffusers directory
+    (safetensors weights, tokenizer files for text-to-image); ``shape`` is the kind's
+    shape class (:class:`DemoModelShape` or :class:`DemoFluxShape`), default sizes if None.
 
     The directory is assembled beside ``target`` and renamed into place, so an
     interrupted run never leaves a half-written model behind.
@@ -104,7 +273,7 @@ def write_demo_model(
             f"{target} is not empty; pass --overwrite to replace it or choose another directory"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    pipeline = build_demo_pipeline(seed, shape)
+    pipeline = DEMO_BUILDERS[kind](seed, shape)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         pipeline.save_pretrained(str(staging), safe_serialization=True)
@@ -115,5 +284,8 @@ def write_demo_model(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("demo model written", extra={"fields": {"path": str(target), "seed": seed}})
+    logger.info(
+        "demo model written",
+        extra={"fields": {"path": str(target), "kind": kind.value, "seed": seed}},
+    )
     return target

@@ -119,9 +119,23 @@ def _read_json_object(path: Path) -> dict:
     return value
 
 
-def quiet_diffusers_handlers() -> None:
-    """Route diffusers' records through our structured root handler instead of its own."""
-    from diffusers.utils import logging as diffusers_logging
+class _UnusedImageProcessorFilter(logging.Filter):
+    """Drops transformers' notice that its image processors fall back without torchvision:
+    diffusion pipelines load text encoders and tokenizers only, so it never applies."""
 
-    diffusers_logging.disable_default_handler()
-    diffusers_logging.enable_propagation()
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision" not in record.getMessage()
+
+
+def quiet_diffusers_handlers() -> None:
+    """Route diffusers' and transformers' records through our structured root handler
+    instead of their own."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for library in (diffusers_logging, transformers_logging):
+        library.disable_default_handler()
+        library.enable_propagation()
+    transformers_logger = logging.getLogger("transformers.utils.import_utils")
+    if not any(isinstance(f, _UnusedImageProcessorFilter) for f in transformers_logger.filters):
+        transformers_logger.addFilter(_UnusedImageProcessorFilter())
