@@ -40,6 +40,24 @@ def test_lockstep_wave_separates_guidance_scales() -> None:
     assert chosen == [0]
 
 
+def test_lockstep_wave_mixes_sizes_and_image_counts_but_not_extra_guidance_passes() -> None:
+    """Size and num_images change activations only, so they share a wave (the integration
+    test checks such a wave bitwise); a negative prompt with true CFG adds a transformer
+    pass per step, so it runs in its own wave."""
+    head = GenerationRequest(seed=0, steps=4, prompt="a", width=64, height=64)
+    pending = [
+        head,
+        GenerationRequest(seed=1, steps=4, prompt="b", width=96, height=32, num_images=2),
+        GenerationRequest(seed=2, steps=4, negative_prompt="c", true_cfg_scale=3.0),
+        GenerationRequest(seed=3, steps=4, prompt="d"),
+    ]
+    chosen, wave = plan_wave(pending, width=3, lockstep=True)
+    assert chosen == [0, 1, 3]
+    assert [slot.seed for slot in wave.slots] == [0, 1, 3]
+    chosen, _ = plan_wave(pending[2:], width=2, lockstep=True)
+    assert chosen == [0]
+
+
 def test_independent_wave_mixes_keys_and_leaves_idle_ranks_idle() -> None:
     pending = [request(0), request(1, steps=8)]
     chosen, wave = plan_wave(pending, width=3, lockstep=False)

@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
-from dlo_worker.requests import GenerationRequest, RequestLimits, request_problems
+import pytest
 
-DIT = RequestLimits("DiTPipeline", "class", 1000)
-FLUX = RequestLimits("FluxPipeline", "prompt")
+from dlo_worker.requests import GenerationRequest, Guidance, RequestLimits, request_problems
+
+DIT = RequestLimits("DiTPipeline", "class", 1000, takes_num_images=True, default_size=(256, 256))
+FLUX = RequestLimits(
+    "FluxPipeline",
+    "prompt",
+    guidance=Guidance.EMBEDDED,
+    takes_negative_prompt=True,
+    takes_true_cfg_scale=True,
+    takes_size=True,
+    takes_num_images=True,
+    default_size=(1024, 1024),
+    size_multiple=16,
+    max_side=2048,
+)
+SCHNELL = RequestLimits(
+    "FluxPipeline",
+    "prompt",
+    guidance=Guidance.UNUSED,
+    takes_negative_prompt=True,
+    takes_true_cfg_scale=True,
+    takes_size=True,
+)
+CFG = RequestLimits(
+    "StableDiffusion3Pipeline", "prompt", takes_negative_prompt=True, takes_size=True
+)
+BARE = RequestLimits("SomePipeline", "prompt")
 
 
 def test_a_class_conditional_model_takes_labels_below_its_class_count() -> None:
@@ -20,3 +45,56 @@ def test_conditioning_the_model_does_not_take_is_refused_only_when_sent() -> Non
     assert request_problems(GenerationRequest(prompt="a cat"), FLUX) == []
     assert request_problems(GenerationRequest(prompt="a cat"), DIT)[0].startswith("prompt: ")
     assert request_problems(GenerationRequest(class_label=3), FLUX)[0].startswith("class_label:")
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "limits", "says"),
+    [
+        ({"width": 1000}, FLUX, "width: 1000 is not a multiple of 16 from 16 to 2048"),
+        ({"height": 4096}, FLUX, "height: 4096 is not a multiple of 16 from 16 to 2048"),
+        ({"width": 512}, DIT, "width: DiTPipeline draws 256x256 images only"),
+        ({"num_images": 2}, BARE, "num_images: SomePipeline draws one image per request"),
+        (
+            {"negative_prompt": "x"},
+            FLUX,
+            "negative_prompt: FluxPipeline uses a negative prompt only with true_cfg_scale > 1",
+        ),
+        ({"true_cfg_scale": 4.0}, FLUX, "true_cfg_scale: > 1 needs a negative_prompt"),
+        (
+            {"true_cfg_scale": 4.0, "negative_prompt": "x"},
+            CFG,
+            "true_cfg_scale: StableDiffusion3Pipeline takes no true_cfg_scale",
+        ),
+        (
+            {"negative_prompt": "x", "guidance_scale": 1.0},
+            CFG,
+            "negative_prompt: has no effect unless guidance_scale > 1",
+        ),
+        ({"negative_prompt": "x"}, BARE, "negative_prompt: SomePipeline takes no negative"),
+        ({"negative_prompt": "x"}, DIT, "negative_prompt: DiTPipeline is class-conditional"),
+        (
+            {"guidance_scale": 3.5},
+            SCHNELL,
+            "guidance_scale: FluxPipeline is not guidance-conditioned",
+        ),
+    ],
+)
+def test_fields_the_pipeline_would_ignore_or_reject_are_refused(
+    request_fields: dict, limits: RequestLimits, says: str
+) -> None:
+    problems = request_problems(GenerationRequest(**request_fields), limits)
+    assert any(problem.startswith(says) for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "limits"),
+    [
+        ({"width": 512, "height": 768, "num_images": 4, "prompt": "a cat"}, FLUX),
+        ({"negative_prompt": "blur", "true_cfg_scale": 4.0}, FLUX),
+        ({"negative_prompt": "blur", "guidance_scale": 7.0}, CFG),
+        ({"num_images": 3, "class_label": 5}, DIT),
+        ({"width": 2048, "height": 16}, FLUX),
+    ],
+)
+def test_fields_the_pipeline_uses_are_accepted(request_fields: dict, limits: RequestLimits) -> None:
+    assert request_problems(GenerationRequest(**request_fields), limits) == []

@@ -178,11 +178,16 @@ def _command_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def rank_output_path(out: Path, data_parallel_rank: int, data_parallel_size: int) -> Path:
-    """DP rank 0 writes ``out``; rank ``r`` > 0 writes ``<stem>.dp<r><suffix>`` beside it."""
-    if data_parallel_size == 1 or data_parallel_rank == 0:
-        return out
-    return out.with_name(f"{out.stem}.dp{data_parallel_rank}{out.suffix}")
+def image_output_paths(
+    out: Path, data_parallel_rank: int, data_parallel_size: int, num_images: int
+) -> list[Path]:
+    """Where one rank writes its images: DP rank 0 writes ``out`` and rank ``r`` > 0
+    ``<stem>.dp<r><suffix>`` beside it; image ``i`` > 0 of a rank adds ``-<i>`` to the stem."""
+    if data_parallel_size > 1 and data_parallel_rank > 0:
+        out = out.with_name(f"{out.stem}.dp{data_parallel_rank}{out.suffix}")
+    return [out] + [
+        out.with_name(f"{out.stem}-{index}{out.suffix}") for index in range(1, num_images)
+    ]
 
 
 def _executable_config(args: argparse.Namespace) -> WorkerConfig:
@@ -203,11 +208,11 @@ def _executable_config(args: argparse.Namespace) -> WorkerConfig:
 def _command_generate(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     config = _executable_config(args)
-    _check_outputs(args.out, config, make_parents=args.make_parents)
+    _check_outputs(args.out, config, request.num_images, make_parents=args.make_parents)
 
     from dlo_worker.generate import (
         NonFiniteOutputError,
-        generate_image,
+        generate_images,
         request_limits,
         write_png,
     )
@@ -221,22 +226,30 @@ def _command_generate(args: argparse.Namespace) -> int:
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
         rank_request = request.model_copy(update={"seed": request.seed + rank})
         try:
-            image = generate_image(worker.pipeline, rank_request)
+            images = generate_images(worker.pipeline, rank_request)
         except NonFiniteOutputError as error:
             print(f"dlo-worker generate: error: {error}", file=sys.stderr)
             return EXIT_FAILURE
         backing = worker.backing
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
-    out = rank_output_path(Path(args.out), rank, config.parallel.data_parallel_size)
-    path = write_png(image, out, make_parents=args.make_parents)
+    outs = image_output_paths(
+        Path(args.out), rank, config.parallel.data_parallel_size, request.num_images
+    )
+    paths = [
+        write_png(image, out, make_parents=args.make_parents)
+        for image, out in zip(images, outs, strict=True)
+    ]
     if backing is not None:
         print(f"host backing: {backing.backing} - {backing.reason}")
-    print(f"image written to {path}")
+    for path in paths:
+        print(f"image written to {path}")
     return 0
 
 
-def _check_outputs(out_text: str, config: WorkerConfig, *, make_parents: bool) -> None:
+def _check_outputs(
+    out_text: str, config: WorkerConfig, num_images: int, *, make_parents: bool
+) -> None:
     """Every rank's output path, before the model loads (exit 2 naming the problem)."""
     from dlo_worker.output import OutputPathError, check_output_path
 
@@ -245,7 +258,8 @@ def _check_outputs(out_text: str, config: WorkerConfig, *, make_parents: bool) -
     out = Path(out_text)
     ranks = config.parallel.data_parallel_size
     for rank in range(ranks):
-        check_output_path(rank_output_path(out, rank, ranks), make_parents=make_parents)
+        for path in image_output_paths(out, rank, ranks, num_images):
+            check_output_path(path, make_parents=make_parents)
 
 
 def _command_serve(args: argparse.Namespace) -> int:

@@ -7,9 +7,10 @@ own slot, and gathers the encoded images. An idle leader broadcasts an empty wav
 ``heartbeat_s`` so the followers' waits stay far inside the control group's timeout.
 
 With DLO AllGather over DP (``lockstep``) every rank must run the same block sequence,
-so a wave only holds requests with the same :func:`wave_key` and idle ranks run a
-dummy copy of the wave's first request whose image is discarded. Otherwise (resident
-or rank-local DLO) idle ranks simply sit the wave out and requests mix freely.
+so a wave only holds requests with the same :func:`~dlo_worker.requests.wave_key`
+(sizes and image counts may differ) and idle ranks run a dummy copy of the wave's first
+request whose image is discarded. Otherwise (resident or rank-local DLO) idle ranks
+simply sit the wave out and requests mix freely.
 
 Stopping: :meth:`Engine.request_stop` (SIGTERM on the leader) closes intake at once, from
 a watcher thread, even while a wave runs; the leader keeps taking waves until the queue is
@@ -34,8 +35,8 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from dlo_worker import metrics
-from dlo_worker.generate import generate_image
-from dlo_worker.requests import GenerationRequest
+from dlo_worker.generate import generate_images
+from dlo_worker.requests import GenerationRequest, wave_key
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -58,16 +59,6 @@ class QueueFullError(RuntimeError):
 
 class GenerationFailedError(RuntimeError):
     """The pipeline raised while running a request (the message says why)."""
-
-
-def wave_key(request: GenerationRequest) -> tuple[int, float]:
-    """What must match for requests to share a lockstep wave.
-
-    The number of denoising steps fixes how many times every block runs; guidance
-    decides whether a pipeline runs an extra unconditional pass on some models.
-    Seeds and conditioning only change values, never the block sequence.
-    """
-    return (request.steps, request.guidance_scale)
 
 
 @dataclass(frozen=True)
@@ -114,9 +105,16 @@ def plan_wave(
 
 @dataclass(eq=False)
 class Submission:
+    """A queued request. Its future resolves to the request's PNGs; cancelling it before
+    its wave starts (the client went away) drops the request."""
+
     request: GenerationRequest
-    future: Future[bytes] = field(default_factory=Future)
+    future: Future[list[bytes]] = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
+
+    def mark_running(self) -> bool:
+        """Commit to running the request; False if it was cancelled first."""
+        return self.future.running() or self.future.set_running_or_notify_cancel()
 
 
 class RequestQueue:
@@ -142,7 +140,7 @@ class RequestQueue:
             self._open = False
             self._changed.notify_all()
 
-    def submit(self, request: GenerationRequest) -> Future[bytes]:
+    def submit(self, request: GenerationRequest) -> Future[list[bytes]]:
         with self._changed:
             if not self._open:
                 raise IntakeClosedError(
@@ -166,16 +164,36 @@ class RequestQueue:
     def take_wave(
         self, width: int, lockstep: bool, timeout: float
     ) -> tuple[list[Submission], Wave]:
-        """The next wave, waiting up to ``timeout`` for a first request."""
+        """The next wave, waiting up to ``timeout`` for a first request. Requests whose
+        future was cancelled (their client went away) are dropped and counted."""
         with self._changed:
             if not self._pending and self._open:
                 self._changed.wait(timeout)
-            chosen, wave = plan_wave([s.request for s in self._pending], width, lockstep)
+            while True:
+                self._drop_cancelled_locked()
+                chosen, wave = plan_wave([s.request for s in self._pending], width, lockstep)
+                # Once running, a future can no longer be cancelled: the request runs.
+                if all(self._pending[index].mark_running() for index in chosen):
+                    break
             taken = [self._pending[index] for index in chosen]
             for submission in taken:
                 self._pending.remove(submission)
             metrics.QUEUE_DEPTH.set(len(self._pending))
             return taken, wave
+
+    def drop_cancelled(self) -> int:
+        """Drop and count the requests whose client went away; returns how many."""
+        with self._changed:
+            return self._drop_cancelled_locked()
+
+    def _drop_cancelled_locked(self) -> int:
+        cancelled = [s for s in self._pending if s.future.cancelled()]
+        for submission in cancelled:
+            self._pending.remove(submission)
+            metrics.REQUESTS.labels(outcome="dropped_disconnected").inc()
+            logger.info("request dropped: its client went away before its wave")
+        metrics.QUEUE_DEPTH.set(len(self._pending))
+        return len(cancelled)
 
 
 class ControlChannel:
@@ -196,12 +214,14 @@ class ControlChannel:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def gather(self, result: bytes | str | None) -> list[bytes | str | None]:
+    def gather(self, result: list[bytes] | str | None) -> list[list[bytes] | str | None]:
         """Every rank's result at the leader (followers get an empty list)."""
         if self._group is None:
             return [result]
         is_leader = dist.get_rank() == 0
-        results: list[bytes | str | None] | None = [None] * self.world_size if is_leader else None
+        results: list[list[bytes] | str | None] | None = (
+            [None] * self.world_size if is_leader else None
+        )
         dist.gather_object(result, results, dst=0, group=self._group)
         return results or []
 
@@ -272,6 +292,7 @@ class Engine:
             threading.Thread(
                 target=self._close_intake_on_stop, name="dlo-intake-watcher", daemon=True
             ).start()
+        waves_run = 0
         while True:
             taken, wave = self._next_wave()
             wave = self.channel.broadcast(wave)
@@ -279,8 +300,9 @@ class Engine:
                 break
             if wave.empty:
                 continue
+            waves_run += 1  # every rank counts the same broadcast waves
             started = time.monotonic()
-            result = self._run_slot(wave)
+            result = self._run_slot(wave, waves_run)
             results = self.channel.gather(result)
             if self.is_leader:
                 self._deliver(taken, wave, results, time.monotonic() - started)
@@ -295,40 +317,44 @@ class Engine:
                 return [], Wave(stop=True)
         return self.queue.take_wave(self.world_size, self.lockstep, HEARTBEAT_S)
 
-    def _run_slot(self, wave: Wave) -> bytes | str | None:
-        """This rank's image as PNG bytes, an error message, or None when idle/discarded."""
+    def _run_slot(self, wave: Wave, number: int) -> list[bytes] | str | None:
+        """This rank's images as PNG bytes, an error message, or None when idle/discarded."""
         request = wave.slots[self.rank]
         if request is None:
             return None
         discarded = self.rank in wave.discarded
         started = time.monotonic()
         try:
-            png = encode_png(generate_image(self.pipeline, request))
+            pngs = [encode_png(image) for image in generate_images(self.pipeline, request)]
         except Exception as error:  # a failed request must not take the engine down
             logger.exception("request failed", extra={"fields": {"rank": self.rank}})
             return f"{type(error).__name__}: {error}"
         fields = {
             "rank": self.rank,
+            "wave": number,
             "steps": request.steps,
+            "width": request.width,
+            "height": request.height,
+            "num_images": request.num_images,
             "seed": request.seed,
             "discarded": discarded,
             "seconds": round(time.monotonic() - started, 3),
         }
         logger.info("request done", extra={"fields": fields})
-        return None if discarded else png
+        return None if discarded else pngs
 
     def _deliver(
         self,
         taken: list[Submission],
         wave: Wave,
-        results: list[bytes | str | None],
+        results: list[list[bytes] | str | None],
         seconds: float,
     ) -> None:
         metrics.WAVE_SECONDS.observe(seconds)
         metrics.WAVE_OCCUPANCY.observe(len(taken) / max(len(wave.slots), 1))
         for slot, submission in enumerate(taken):
             result = results[slot]
-            if isinstance(result, bytes):
+            if isinstance(result, list):
                 submission.future.set_result(result)
                 metrics.REQUESTS.labels(outcome="ok").inc()
             else:

@@ -19,7 +19,7 @@ import torch
 from dlo_worker import metrics
 from dlo_worker.errors import UserFixableError
 from dlo_worker.output import check_output_path, new_file_mode
-from dlo_worker.requests import GenerationRequest, RequestLimits
+from dlo_worker.requests import GenerationRequest, Guidance, RequestLimits
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -35,7 +35,8 @@ class NonFiniteOutputError(RuntimeError):
 
 
 def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) -> dict[str, Any]:
-    """The keyword arguments that run ``request`` on ``pipeline``.
+    """The keyword arguments that run ``request`` on ``pipeline``; the request was checked
+    with :func:`dlo_worker.requests.request_problems`, so every field given is used.
 
     The noise generator lives on the CPU so a seed gives the same latents on any device.
     """
@@ -47,37 +48,86 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
         # Floats, checked for NaN and infinity before they become PIL pixels (the same
         # conversion diffusers applies for "pil", so images are byte-identical).
         "output_type": "np",
+        "width": request.width,
+        "height": request.height,
+        "negative_prompt": request.negative_prompt,
+        "true_cfg_scale": request.true_cfg_scale,
     }
     if "class_labels" in accepted:
-        arguments["class_labels"] = [request.class_label]
+        arguments["class_labels"] = [request.class_label] * request.num_images
     elif "prompt" in accepted:
         arguments["prompt"] = request.prompt
+        arguments["num_images_per_prompt"] = request.num_images
     else:
         raise UnsupportedPipelineError(
             f"{type(pipeline).__name__} takes neither class_labels nor prompt; "
-            "dlo-worker generate cannot condition it"
+            "dlo-worker cannot condition it"
         )
-    return {name: value for name, value in arguments.items() if name in accepted}
+    return {
+        name: value for name, value in arguments.items() if name in accepted and value is not None
+    }
 
 
 def request_limits(pipeline: DiffusionPipeline) -> RequestLimits:
-    """What requests the loaded pipeline takes: its conditioning and, for class-conditional
+    """What requests the loaded pipeline takes, read from its call signature and its
+    components' configs: conditioning, guidance, size rules and, for class-conditional
     DiTs, the number of classes its label embedding holds."""
     accepted = inspect.signature(pipeline.__call__).parameters
     name = type(pipeline).__name__
+    transformer_config = _config_of(getattr(pipeline, "transformer", None))
+    vae_config = _config_of(getattr(pipeline, "vae", None))
+    vae_scale = int(
+        getattr(pipeline, "vae_scale_factor", 0)
+        or 2 ** (len(vae_config.get("block_out_channels", (0,))) - 1)
+    )
+    latent_side = getattr(pipeline, "default_sample_size", None) or transformer_config.get(
+        "sample_size"
+    )
+    side = int(latent_side) * vae_scale if isinstance(latent_side, int) else None
+    # Latents are patchified (Flux packs 2x2), so a side must divide into whole patches.
+    multiple = vae_scale * max(int(transformer_config.get("patch_size") or 1), 2)
     if "class_labels" in accepted:
-        config = getattr(getattr(pipeline, "transformer", None), "config", {})
-        classes = config.get("num_embeds_ada_norm") if hasattr(config, "get") else None
-        return RequestLimits(name, "class", int(classes) if classes else None)
-    return RequestLimits(name, "prompt")
+        classes = transformer_config.get("num_embeds_ada_norm")
+        return RequestLimits(
+            name,
+            "class",
+            int(classes) if classes else None,
+            takes_num_images=True,
+            default_size=(side, side) if side else None,
+        )
+    takes_true_cfg = "true_cfg_scale" in accepted
+    if "guidance_scale" not in accepted:
+        guidance = Guidance.UNUSED
+    elif takes_true_cfg:
+        embeds = transformer_config.get("guidance_embeds")
+        guidance = Guidance.EMBEDDED if embeds else Guidance.UNUSED
+    else:
+        guidance = Guidance.CLASSIFIER_FREE
+    return RequestLimits(
+        name,
+        "prompt",
+        guidance=guidance,
+        takes_negative_prompt="negative_prompt" in accepted,
+        takes_true_cfg_scale=takes_true_cfg,
+        takes_size="width" in accepted and "height" in accepted,
+        takes_num_images="num_images_per_prompt" in accepted,
+        default_size=(side, side) if side else None,
+        size_multiple=multiple,
+        max_side=2 * side if side else 2048,
+    )
+
+
+def _config_of(component: object) -> dict[str, Any]:
+    config = getattr(component, "config", None)
+    return dict(config) if config is not None else {}
 
 
 @torch.inference_mode()
-def generate_image(pipeline: DiffusionPipeline, request: GenerationRequest) -> Image.Image:
-    """Run the denoising loop (diffusers shows a progress bar per step) and decode one image.
+def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> list[Image.Image]:
+    """Run the denoising loop and decode ``request.num_images`` images.
 
     Raises :class:`NonFiniteOutputError` (counted in ``dlo_nonfinite_outputs_total``) when
-    the decoded image holds NaN or infinity, instead of returning a black image.
+    a decoded image holds NaN or infinity, instead of returning a black image.
     """
     images = pipeline(**pipeline_arguments(pipeline, request)).images
     finite = np.isfinite(images)
@@ -89,7 +139,7 @@ def generate_image(pipeline: DiffusionPipeline, request: GenerationRequest) -> I
             "the model's weights or this request overflow (e.g. a huge guidance_scale); no "
             "image was written"
         )
-    return pipeline.numpy_to_pil(images)[0]
+    return pipeline.numpy_to_pil(images)
 
 
 def write_png(image: Image.Image, path: Path, *, make_parents: bool = False) -> Path:

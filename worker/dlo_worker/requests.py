@@ -2,18 +2,26 @@
 
 Kept apart from :mod:`dlo_worker.config` because a worker serves many requests
 with one configuration; the CLI's ``generate`` and the HTTP server share it.
+The schema bounds every field; :func:`request_problems` then checks a request
+against what the loaded pipeline actually uses (:class:`RequestLimits`), so a field
+the model would ignore or overflow is refused instead of silently dropped.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_IMAGES_PER_REQUEST = 8
+MAX_PROMPT_CHARACTERS = 10_000
+
 
 class GenerationRequest(BaseModel):
-    """A single image request. The same request on the same worker gives the same bytes."""
+    """A single request for ``num_images`` images. The same request on the same worker
+    gives the same bytes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -23,19 +31,74 @@ class GenerationRequest(BaseModel):
         default=4.0,
         ge=0.0,
         le=100.0,
-        description="Classifier-free guidance scale, 0-100 (<= 1 disables it).",
+        description="Guidance scale, 0-100: classifier-free (<= 1 disables it) or, for "
+        "guidance-distilled models such as FLUX.1-dev, the embedded guidance.",
     )
     class_label: int = Field(
         default=207, ge=0, description="Class id for class-conditional pipelines (DiT)."
     )
-    prompt: str = Field(default="", description="Text prompt for text-conditional pipelines.")
+    prompt: str = Field(
+        default="",
+        max_length=MAX_PROMPT_CHARACTERS,
+        description="Text prompt for text-conditional pipelines.",
+    )
+    negative_prompt: str | None = Field(
+        default=None,
+        max_length=MAX_PROMPT_CHARACTERS,
+        description="What the image should not show (text-conditional pipelines with "
+        "classifier-free guidance; guidance-distilled ones need true_cfg_scale > 1).",
+    )
+    true_cfg_scale: float | None = Field(
+        default=None,
+        ge=1.0,
+        le=100.0,
+        description="True classifier-free guidance with negative_prompt, for "
+        "guidance-distilled pipelines (Flux); > 1 runs a second transformer pass per step.",
+    )
+    width: int | None = Field(
+        default=None, ge=1, le=8192, description="Image width in pixels (pipeline default)."
+    )
+    height: int | None = Field(
+        default=None, ge=1, le=8192, description="Image height in pixels (pipeline default)."
+    )
+    num_images: int = Field(
+        default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Images for this request."
+    )
 
-    @field_validator("guidance_scale")
+    @field_validator("guidance_scale", "true_cfg_scale")
     @classmethod
-    def _guidance_is_finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"--guidance-scale must be a finite number, got {value!r}")
+    def _scale_is_finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value!r}")
         return value
+
+
+def wave_key(request: GenerationRequest) -> tuple[int, float, float, bool]:
+    """What must match for requests to share a lockstep (AllGather) wave: everything that
+    can change how many times the transformer's blocks run.
+
+    The number of steps fixes the denoising loop; guidance can add an unconditional pass
+    on some pipelines, and a negative prompt with ``true_cfg_scale`` > 1 adds one on
+    guidance-distilled ones. Size, ``num_images``, seeds and conditioning change only the
+    activations, never the block sequence, so such requests share waves.
+    """
+    return (
+        request.steps,
+        request.guidance_scale,
+        request.true_cfg_scale or 1.0,
+        request.negative_prompt is not None,
+    )
+
+
+class Guidance(enum.StrEnum):
+    """How a pipeline uses ``guidance_scale``."""
+
+    CLASSIFIER_FREE = "classifier-free"
+    """A second, negative/unconditional pass when ``guidance_scale`` > 1 (DiT, SD3)."""
+    EMBEDDED = "embedded"
+    """Guidance-distilled (FLUX.1-dev): the scale is an input of the transformer."""
+    UNUSED = "unused"
+    """Neither (e.g. FLUX.1-schnell): ``guidance_scale`` would be ignored."""
 
 
 @dataclass(frozen=True)
@@ -46,26 +109,95 @@ class RequestLimits:
     conditioning: str
     """``class`` (class-conditional, e.g. DiT) or ``prompt`` (text-to-image)."""
     num_classes: int | None = None
+    guidance: Guidance = Guidance.CLASSIFIER_FREE
+    takes_negative_prompt: bool = False
+    takes_true_cfg_scale: bool = False
+    """Guidance-distilled pipelines (Flux) run true CFG with a negative prompt when
+    ``true_cfg_scale`` > 1."""
+    takes_size: bool = False
+    """Whether ``width``/``height`` reach the pipeline; if not it draws ``default_size``."""
+    takes_num_images: bool = False
+    default_size: tuple[int, int] | None = None
+    """(width, height) the pipeline draws without a size."""
+    size_multiple: int = 8
+    max_side: int = 2048
 
 
 def request_problems(request: GenerationRequest, limits: RequestLimits) -> list[str]:
     """One message per field the loaded pipeline cannot take, naming the allowed values."""
-    problems = []
     given = request.model_fields_set
+    return [
+        *_conditioning_problems(request, given, limits),
+        *_guidance_problems(request, given, limits),
+        *_size_problems(request, given, limits),
+    ]
+
+
+def _conditioning_problems(
+    request: GenerationRequest, given: set[str], limits: RequestLimits
+) -> list[str]:
+    name = limits.pipeline
     if limits.conditioning == "class":
-        if "prompt" in given and request.prompt:
-            problems.append(
-                f"prompt: {limits.pipeline} is class-conditional and takes no prompt; "
-                "send class_label"
-            )
+        problems = [
+            f"{field}: {name} is class-conditional and takes no {field}; send class_label"
+            for field in ("prompt", "negative_prompt")
+            if field in given and getattr(request, field)
+        ]
         if limits.num_classes is not None and request.class_label >= limits.num_classes:
             problems.append(
                 f"class_label: {request.class_label} is not a class of this model "
                 f"(0-{limits.num_classes - 1})"
             )
-    elif "class_label" in given:
+        return problems
+    if "class_label" in given:
+        return [f"class_label: {name} is conditioned on a prompt and takes no class_label"]
+    return []
+
+
+def _guidance_problems(
+    request: GenerationRequest, given: set[str], limits: RequestLimits
+) -> list[str]:
+    name = limits.pipeline
+    problems = []
+    if limits.guidance is Guidance.UNUSED and "guidance_scale" in given:
+        problems.append(f"guidance_scale: {name} is not guidance-conditioned; leave it out")
+    true_cfg = request.true_cfg_scale or 1.0
+    if request.true_cfg_scale is not None and not limits.takes_true_cfg_scale:
+        problems.append(f"true_cfg_scale: {name} takes no true_cfg_scale; leave it out")
+    elif true_cfg > 1.0 and request.negative_prompt is None:
+        problems.append("true_cfg_scale: > 1 needs a negative_prompt to guide against")
+    if request.negative_prompt is None or limits.conditioning == "class":
+        return problems
+    if not limits.takes_negative_prompt:
+        problems.append(f"negative_prompt: {name} takes no negative prompt")
+    elif limits.takes_true_cfg_scale:
+        if true_cfg <= 1.0:
+            problems.append(
+                f"negative_prompt: {name} uses a negative prompt only with true_cfg_scale > 1;"
+                " send true_cfg_scale (e.g. 4)"
+            )
+    elif limits.guidance is not Guidance.CLASSIFIER_FREE or request.guidance_scale <= 1.0:
         problems.append(
-            f"class_label: {limits.pipeline} is conditioned on a prompt and takes no "
-            "class_label; send prompt"
+            "negative_prompt: has no effect unless guidance_scale > 1; raise guidance_scale"
         )
+    return problems
+
+
+def _size_problems(request: GenerationRequest, given: set[str], limits: RequestLimits) -> list[str]:
+    name = limits.pipeline
+    problems = []
+    if request.num_images > 1 and not limits.takes_num_images:
+        problems.append(f"num_images: {name} draws one image per request; send 1")
+    for field in ("width", "height"):
+        value = getattr(request, field)
+        if value is None:
+            continue
+        if not limits.takes_size:
+            fixed = "x".join(map(str, limits.default_size)) if limits.default_size else "one"
+            problems.append(f"{field}: {name} draws {fixed} images only; leave {field} out")
+        elif value % limits.size_multiple or not 0 < value <= limits.max_side:
+            problems.append(
+                f"{field}: {value} is not a multiple of {limits.size_multiple} from "
+                f"{limits.size_multiple} to {limits.max_side}"
+            )
     return problems
