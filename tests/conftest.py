@@ -20,6 +20,14 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
 
 
+@pytest.fixture(scope="session")
+def flux_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The text-to-image demo (a tiny FluxPipeline with CLIP and T5), written by the product."""
+    from dlo_worker.demo_model import DemoKind, write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("models") / "flux", kind=DemoKind.FLUX)
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -1,25 +1,34 @@
-"""The worker's HTTP endpoints over a real socket: probes, routing and request validation.
+"""The worker's HTTP endpoints over a real socket: probes, routing, request validation,
+and the HTTP layer's limits (framing, deadlines, bursts, slow and departing clients).
 
 Generation itself is covered end to end in tests/integration/test_serve.py; these
-paths answer before a request reaches the engine.
+paths answer before a request reaches the engine (the queue here has no engine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import requests
+from prometheus_client import REGISTRY
 
 from dlo_worker.engine import RequestQueue
-from dlo_worker.server import GENERATE_PATH, Phase, ServerState, WorkerHTTPServer
+from dlo_worker.server import GENERATE_PATH, HTTPLimits, Phase, ServerState, WorkerHTTPServer
+
+# Short deadlines so the tests that wait for them stay quick.
+LIMITS = HTTPLimits(header_timeout_s=1.0, body_timeout_s=1.0)
 
 
 @pytest.fixture
 def leader() -> Iterator[tuple[str, ServerState]]:
-    state = ServerState(RequestQueue(max_pending=4))
-    server = WorkerHTTPServer("127.0.0.1", 0, state)
+    state = ServerState(RequestQueue(max_pending=4), model_name="demo")
+    server = WorkerHTTPServer("127.0.0.1", 0, state, LIMITS)
     server.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", state
     server.stop()
@@ -112,17 +121,211 @@ def test_query_strings_are_ignored_and_wrong_methods_get_405(
         assert response.headers["Allow"] == allow
 
 
-def test_transfer_encoding_is_refused(leader: tuple[str, ServerState]) -> None:
-    """Content-Length beside Transfer-Encoding is a request-smuggling shape: 400, closed."""
-    import socket
-
-    url, _ = leader
+def _address(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as connection:
-        connection.sendall(
-            b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-        )
-        answer = connection.recv(4096).decode()
+    return host, int(port)
+
+
+def _exchange(url: str, raw: bytes, timeout: float = 5) -> str:
+    """Send raw bytes and read the answer until the server closes the connection."""
+    with socket.create_connection(_address(url), timeout=timeout) as connection:
+        connection.sendall(raw)
+        chunks = []
+        while chunk := connection.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def test_both_framing_headers_are_refused(leader: tuple[str, ServerState]) -> None:
+    """Content-Length beside Transfer-Encoding is a request-smuggling shape: 400, closed."""
+    answer = _exchange(
+        leader[0],
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    )
     assert answer.startswith("HTTP/1.1 400")
-    assert "Transfer-Encoding is not accepted" in answer
+    assert "Content-Length together with Transfer-Encoding is not accepted" in answer
+
+
+def test_a_chunked_body_is_read_and_validated(leader: tuple[str, ServerState]) -> None:
+    url, state = leader
+    state.queue.open()
+    body = b'{"steps": 0}'
+    answer = _exchange(
+        url,
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n",
+    )
+    assert answer.startswith("HTTP/1.1 422")
+    assert "steps: Input should be greater than or equal to 1" in answer
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(
+    leader: tuple[str, ServerState],
+) -> None:
+    started = time.monotonic()
+    answer = _exchange(
+        leader[0], b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{}"
+    )
+    assert answer.startswith("HTTP/1.1 408")
+    assert "Content-Length larger than the body" in answer
+    assert time.monotonic() - started < LIMITS.body_timeout_s + 2
+
+
+def test_partial_headers_are_closed_at_the_header_deadline(
+    leader: tuple[str, ServerState],
+) -> None:
+    """A client trickling headers (slowloris) is cut off, even if it keeps sending."""
+    started = time.monotonic()
+    with socket.create_connection(_address(leader[0]), timeout=10) as connection:
+        connection.sendall(b"GET /health/live HTTP/1.1\r\n")
+        closed = False
+        while time.monotonic() - started < 5 and not closed:
+            try:
+                connection.sendall(b"X-Slow: 1\r\n")
+                connection.settimeout(0.3)
+                closed = connection.recv(1024) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+    assert closed
+    assert time.monotonic() - started < LIMITS.header_timeout_s + 2
+
+
+async def _burst(host: str, port: int, connections: int) -> list[str]:
+    """Open ``connections`` at once, then send one request on each (no client threads)."""
+
+    async def one() -> str:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        answer = await reader.read()
+        writer.close()
+        return answer.decode()
+
+    return await asyncio.gather(*(one() for _ in range(connections)))
+
+
+def test_a_burst_of_200_connections_is_served_without_stalls_or_threads(
+    leader: tuple[str, ServerState],
+) -> None:
+    """The stdlib server's backlog of 5 stalled every sixth connect of a burst for a second
+    and spent a thread per connection; the bound here is no thread at all per connection."""
+    url, state = leader
+    state.set_phase(Phase.READY)
+    threads_before = threading.active_count()
+    started = time.monotonic()
+    answers = asyncio.run(_burst(*_address(url), connections=200))
+    elapsed = time.monotonic() - started
+    assert all(answer.startswith("HTTP/1.1 200") for answer in answers)
+    assert elapsed < 1.0, f"200 connections took {elapsed:.2f} s"
+    assert threading.active_count() <= threads_before
+
+
+def test_slow_clients_hold_no_threads_and_do_not_block_others(
+    leader: tuple[str, ServerState],
+) -> None:
+    url, state = leader
+    state.set_phase(Phase.READY)
+    threads_before = threading.active_count()
+    slow = [socket.create_connection(_address(url), timeout=5) for _ in range(300)]
+    try:
+        for connection in slow:
+            connection.sendall(b"GET /health/ready HTTP/1.1\r\nHost:")
+        started = time.monotonic()
+        assert requests.get(f"{url}/health/ready", timeout=5).status_code == 200
+        assert time.monotonic() - started < 0.5
+        assert threading.active_count() <= threads_before
+    finally:
+        for connection in slow:
+            connection.close()
+
+
+def _counter(outcome: str) -> float:
+    value = REGISTRY.get_sample_value("dlo_requests_total", {"outcome": outcome})
+    return value or 0.0
+
+
+def test_a_request_whose_client_left_is_dropped_before_its_wave(
+    leader: tuple[str, ServerState],
+) -> None:
+    url, state = leader
+    state.queue.open()
+    dropped_before = _counter("dropped_disconnected")
+    body = b'{"seed": 3}'
+    with socket.create_connection(_address(url), timeout=5) as connection:
+        connection.sendall(
+            b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 5
+        while len(state.queue) == 0:
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.01)
+    # The client hung up while queued: the request is cancelled and never runs.
+    deadline = time.monotonic() + 5
+    while state.queue.drop_cancelled() == 0:
+        assert time.monotonic() < deadline, "the departed client's request stayed queued"
+        time.sleep(0.01)
+    taken, wave = state.queue.take_wave(width=1, lockstep=False, timeout=0)
+    assert (taken, wave.empty, len(state.queue)) == ([], True, 0)
+    assert _counter("dropped_disconnected") == dropped_before + 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "says"),
+    [
+        ({}, 422, "prompt", "Field required"),
+        ({"prompt": "a cat", "size": "big"}, 422, "size", '"WIDTHxHEIGHT"'),
+        ({"prompt": "a cat", "response_format": "url"}, 422, "response_format", "b64_json"),
+        ({"prompt": "a cat", "n": 9}, 422, "n", "less than or equal to 8"),
+        ({"prompt": "a cat", "quality": "hd"}, 422, "quality", "Extra inputs"),
+        ({"prompt": "a cat", "model": "dall-e-3"}, 404, "model", "this worker serves 'demo'"),
+    ],
+)
+def test_openai_images_errors_take_openai_shape(
+    leader: tuple[str, ServerState], body: dict, status: int, param: str, says: str
+) -> None:
+    url, state = leader
+    state.queue.open()
+    response = requests.post(f"{url}/v1/images/generations", json=body, timeout=5)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert says in error["message"]
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+    assert len(state.queue) == 0
+
+
+def test_models_lists_the_served_model(leader: tuple[str, ServerState]) -> None:
+    models = requests.get(f"{leader[0]}/v1/models", timeout=5).json()
+    assert [model["id"] for model in models["data"]] == ["demo"]
+
+
+def test_the_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open() -> None:
+    state = ServerState(RequestQueue(max_pending=4), api_key="s3cret", model_name="demo")
+    server = WorkerHTTPServer("127.0.0.1", 0, state, LIMITS)
+    server.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        raw = requests.post(f"{url}{GENERATE_PATH}", json={}, timeout=5)
+        assert (raw.status_code, raw.headers["WWW-Authenticate"]) == (401, "Bearer")
+        openai = requests.post(
+            f"{url}/v1/images/generations",
+            json={"prompt": "a cat"},
+            headers={"Authorization": "Bearer wrong"},
+            timeout=5,
+        )
+        assert openai.status_code == 401
+        assert openai.json()["error"]["type"] == "authentication_error"
+        assert requests.get(f"{url}/v1/models", timeout=5).status_code == 401
+        models = requests.get(
+            f"{url}/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=5
+        )
+        assert models.json()["data"][0]["id"] == "demo"
+        for path in ("/health/live", "/metrics"):
+            assert requests.get(f"{url}{path}", timeout=5).status_code == 200, path
+    finally:
+        server.stop()

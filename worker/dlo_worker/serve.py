@@ -50,6 +50,12 @@ def lockstep_waves(config: WorkerConfig) -> bool:
     )
 
 
+def served_model_name(config: WorkerConfig) -> str:
+    """The id OpenAI clients name the model by: the model directory's name."""
+    model = config.model.model
+    return model.resolve().name if model is not None else "model"
+
+
 def _listen(options: ServeOptions, state: ServerState) -> WorkerHTTPServer:
     try:
         return WorkerHTTPServer(options.host, options.port, state)
@@ -65,7 +71,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     queue = RequestQueue(options.max_queued_requests) if rank == 0 else None
-    state = ServerState(queue, options.api_key)
+    state = ServerState(queue, options.api_key, model_name=served_model_name(config))
     server = _listen(options, state) if local_rank == 0 else None
     if server is not None:
         server.start()

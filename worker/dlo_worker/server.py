@@ -1,300 +1,141 @@
-"""The worker's HTTP endpoints, served from a background thread.
+"""Runs the worker's HTTP app (:mod:`dlo_worker.http_app`) on uvicorn, from a thread.
 
-Every node's local rank 0 serves the health endpoints (the kubelet probes every Pod
-of an engine) and ``/metrics``; the engine's leader (global rank 0) also serves
-``POST /v1/generate``. The server starts before the model loads, so the liveness and
-startup probes pass while a large checkpoint is still loading; readiness follows the
-engine: 503 ``loading``, then 200 ``ready``, then 503 ``draining`` after SIGTERM.
+The server starts before the model loads, so the liveness and startup probes pass while
+a large checkpoint is still loading, and stops last in the shutdown order. Generation
+runs on the main thread in :mod:`dlo_worker.engine`; the HTTP thread runs one asyncio
+event loop, so connections cost a socket each, never a thread.
 
-The standard library's threading server is enough here: one thread per connection,
-while generation itself runs on the main thread in :mod:`dlo_worker.engine`.
+The socket is bound here, before uvicorn starts, so a port in use is an error the caller
+reports (uvicorn would exit its thread). uvicorn's h11 protocol is used as-is except for
+one addition: a deadline for a request's headers, which uvicorn lacks (it times out idle
+keep-alive connections, not a client that trickles partial headers).
 """
 
 from __future__ import annotations
 
-import enum
-import hmac
-import json
+import asyncio
 import logging
+import socket
 import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dlo_worker import metrics
-from dlo_worker.engine import (
-    GenerationFailedError,
-    IntakeClosedError,
-    QueueFullError,
-    RequestQueue,
+from dlo_worker.http_app import (
+    GENERATE_PATH,
+    HTTPLimits,
+    Phase,
+    ServerState,
+    build_app,
 )
-from dlo_worker.requests import GenerationRequest, RequestLimits, request_problems
+
+__all__ = ["GENERATE_PATH", "HTTPLimits", "Phase", "ServerState", "WorkerHTTPServer"]
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20
-GENERATE_PATH = "/v1/generate"
-ROUTES: dict[str, frozenset[str]] = {
-    "/health/live": frozenset({"GET"}),
-    "/health/ready": frozenset({"GET"}),
-    "/metrics": frozenset({"GET"}),
-    GENERATE_PATH: frozenset({"POST"}),
-}
-"""Every route and the methods it answers (others get 405 with ``Allow``)."""
+START_TIMEOUT_S = 30.0
 
 
-def describe_body_error(error: ValidationError) -> str:
-    """One line naming each offending JSON field, e.g. ``steps: Input should be ...``."""
-    return "; ".join(
-        f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
-        for item in error.errors()
-    )
+def _protocol_with_header_deadline(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete
+    ``seconds`` after it opened or after its previous response."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a request's headers arrived
+                self._disarm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            # Armed first: the base class may parse a pipelined request, which disarms it.
+            self._arm_header_deadline()
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            self._disarm_header_deadline()
+            self._header_deadline = self.loop.call_later(seconds, self._headers_overdue)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_overdue(self) -> None:
+            self._header_deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                logger.debug("http headers overdue, closing", extra={"fields": {}})
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
 
 
-class Phase(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    DRAINING = "draining"
+def _bind(host: str, port: int, backlog: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(backlog)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
 
 
-class ServerState:
-    """What the probes report; flipped by the serving lifecycle, read by handler threads."""
+class WorkerHTTPServer:
+    """The HTTP server of one Pod: bound at construction, served from a daemon thread."""
 
-    def __init__(self, queue: RequestQueue | None, api_key: str | None = None) -> None:
-        self.queue = queue
-        self.api_key = api_key
-        """When set, ``POST`` routes need ``Authorization: Bearer <api_key>``."""
-        self._phase = Phase.LOADING
-        self._limits: RequestLimits | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def limits(self) -> RequestLimits | None:
-        """What the loaded pipeline accepts (None while loading)."""
-        with self._lock:
-            return self._limits
-
-    def set_limits(self, limits: RequestLimits) -> None:
-        with self._lock:
-            self._limits = limits
-
-    @property
-    def phase(self) -> Phase:
-        with self._lock:
-            return self._phase
-
-    def set_phase(self, phase: Phase) -> None:
-        with self._lock:
-            self._phase = phase
-        metrics.READY.set(1 if phase is Phase.READY else 0)
-        logger.info("phase", extra={"fields": {"phase": phase.value}})
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: WorkerHTTPServer
-    protocol_version = "HTTP/1.1"
-
-    def version_string(self) -> str:
-        """The Server header names the product, not the Python or library versions."""
-        return "dlo-worker"
-
-    def _authorized(self) -> bool:
-        """Constant-time check of the bearer token (always true without an API key)."""
-        key = self.server.state.api_key
-        if key is None:
-            return True
-        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        )
-
-    @property
-    def route(self) -> str:
-        """The request's path without its query string (which no route uses)."""
-        return urlsplit(self.path).path
-
-    def _routed(self, method: str) -> bool:
-        """True for a known route and method; otherwise answers 404, or 405 with Allow."""
-        allowed = ROUTES.get(self.route)
-        if allowed is None:
-            self._send_json(HTTPStatus.NOT_FOUND, {"error": f"no route {self.route}"})
-            return False
-        if method not in allowed:
-            self.close_connection = True  # a body, if any, stays unread
-            self._send_json(
-                HTTPStatus.METHOD_NOT_ALLOWED,
-                {"error": f"{method} is not allowed on {self.route}"},
-                extra_headers={"Allow": ", ".join(sorted(allowed))},
-            )
-            return False
-        return True
-
-    def do_PUT(self) -> None:
-        self._routed("PUT")
-
-    def do_DELETE(self) -> None:
-        self._routed("DELETE")
-
-    def do_PATCH(self) -> None:
-        self._routed("PATCH")
-
-    def do_GET(self) -> None:
-        if not self._routed("GET"):
-            return
-        if self.route == "/health/live":
-            self._send_json(HTTPStatus.OK, {"status": "live"})
-        elif self.route == "/health/ready":
-            phase = self.server.state.phase
-            status = HTTPStatus.OK if phase is Phase.READY else HTTPStatus.SERVICE_UNAVAILABLE
-            self._send_json(status, {"status": phase.value})
-        else:
-            self._send(HTTPStatus.OK, generate_latest(), CONTENT_TYPE_LATEST)
-
-    def _admitted_queue(self) -> RequestQueue | None:
-        """The leader's queue for a known route and an authorized client, or None after
-        answering with the error."""
-        if not self._routed("POST"):
-            return None
-        if not self._authorized():
-            metrics.REQUESTS.labels(outcome="rejected_unauthorized").inc()
-            # The body stays unread, so this connection cannot carry another request.
-            self.close_connection = True
-            self._send_json(
-                HTTPStatus.UNAUTHORIZED,
-                {"error": "missing or wrong API key: send Authorization: Bearer <key>"},
-                extra_headers={"WWW-Authenticate": "Bearer"},
-            )
-            return None
-        if self.server.state.queue is None:
-            self._send_json(
-                HTTPStatus.MISDIRECTED_REQUEST,
-                {"error": "this Pod is not the engine's leader; send requests to its Service"},
-            )
-        return self.server.state.queue
-
-    def do_POST(self) -> None:
-        queue = self._admitted_queue()
-        if queue is None:
-            return
-        request = self._read_request()
-        if request is None:
-            return
-        try:
-            future = queue.submit(request)
-        except IntakeClosedError as error:
-            metrics.REQUESTS.labels(outcome="rejected_unavailable").inc()
-            self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(error)}, retry=True)
-            return
-        except QueueFullError as error:
-            metrics.REQUESTS.labels(outcome="rejected_busy").inc()
-            self._send_json(HTTPStatus.TOO_MANY_REQUESTS, {"error": str(error)}, retry=True)
-            return
-        try:
-            png = future.result()
-        except GenerationFailedError as error:
-            self._send_json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": str(error)})
-            return
-        self._send(HTTPStatus.OK, png, "image/png", {"X-DLO-Seed": str(request.seed)})
-
-    def _read_request(self) -> GenerationRequest | None:
-        """The validated body, or None after answering with the error."""
-        if "Transfer-Encoding" in self.headers:
-            # Chunked bodies are not accepted; with a Content-Length beside it, a proxy and
-            # this server could frame the stream differently (request smuggling).
-            self.close_connection = True
-            self._reject(
-                HTTPStatus.BAD_REQUEST, "Transfer-Encoding is not accepted; send Content-Length"
-            )
-            return None
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
-            # The body stays unread, so this connection cannot carry another request.
-            self.close_connection = True
-            if length < 0:
-                self._reject(HTTPStatus.LENGTH_REQUIRED, "send a JSON body with Content-Length")
-            else:
-                self._reject(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes"
-                )
-            return None
-        body = self.rfile.read(length)
-        try:
-            request = GenerationRequest.model_validate_json(body or b"{}")
-        except ValidationError as error:
-            self._reject(HTTPStatus.UNPROCESSABLE_ENTITY, describe_body_error(error))
-            return None
-        limits = self.server.state.limits
-        if limits is not None and (problems := request_problems(request, limits)):
-            self._reject(HTTPStatus.UNPROCESSABLE_ENTITY, "; ".join(problems))
-            return None
-        return request
-
-    def _reject(self, status: HTTPStatus, message: str) -> None:
-        metrics.REQUESTS.labels(outcome="rejected_invalid").inc()
-        self._send_json(status, {"error": message})
-
-    def _send_json(
-        self,
-        status: HTTPStatus,
-        body: dict,
-        retry: bool = False,
-        extra_headers: dict[str, str] | None = None,
+    def __init__(
+        self, host: str, port: int, state: ServerState, limits: HTTPLimits | None = None
     ) -> None:
-        headers = {"Retry-After": "5"} if retry else {}
-        headers |= extra_headers or {}
-        self._send(status, json.dumps(body).encode() + b"\n", "application/json", headers)
-
-    def _send(
-        self,
-        status: HTTPStatus,
-        body: bytes,
-        content_type: str,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Access lines go to the structured log at debug level, not to stderr."""
-        line = format % args
-        logger.debug("http", extra={"fields": {"client": self.client_address[0], "line": line}})
-
-
-class WorkerHTTPServer(ThreadingHTTPServer):
-    """A threading server whose handlers see the worker's state; runs on a daemon thread."""
-
-    daemon_threads = True
-
-    def __init__(self, host: str, port: int, state: ServerState) -> None:
-        super().__init__((host, port), _Handler)
+        limits = limits or HTTPLimits()
         self.state = state
-        self._thread = threading.Thread(target=self.serve_forever, name="http", daemon=True)
-
-    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
-        """A client that hangs up mid-response is routine: log it, no traceback on stderr."""
-        logger.debug(
-            "http connection error", exc_info=True, extra={"fields": {"client": client_address[0]}}
+        self._socket = _bind(host, port, limits.backlog)
+        self.server_address: tuple[str, int] = self._socket.getsockname()[:2]
+        config = uvicorn.Config(
+            build_app(state, limits),
+            http=_protocol_with_header_deadline(limits.header_timeout_s),
+            loop="asyncio",
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            headers=[("Server", "dlo-worker")],  # the product, no Python or library versions
+            timeout_keep_alive=limits.keep_alive_s,
+            limit_concurrency=limits.max_connections,
+            backlog=limits.backlog,
+            timeout_graceful_shutdown=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, name="http", daemon=True
         )
 
     def start(self) -> None:
+        """Start serving and return once the server accepts connections."""
         self._thread.start()
-        host, port = self.server_address[:2]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start; see the log above")
+            time.sleep(0.01)
+        host, port = self.server_address
         logger.info("http listening", extra={"fields": {"host": host, "port": port}})
 
     def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
+        self._server.should_exit = True
         self._thread.join()
+        self._socket.close()

@@ -1,0 +1,343 @@
+"""The worker's HTTP routes as a FastAPI app; :mod:`dlo_worker.server` runs it on uvicorn.
+
+Every node's local rank 0 serves the health endpoints (the kubelet probes every Pod of
+an engine) and ``/metrics``; the engine's leader (global rank 0) also takes generation
+requests. Handlers never block the event loop: a request goes into the engine's queue
+and the handler awaits its future while watching for the client to leave, so a request
+whose client went away before its wave started is dropped instead of run.
+
+Errors are one-line JSON bodies naming the field, ``{"error": "..."}`` on the raw route
+and OpenAI's ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/images``
+and ``/v1/models``; never tracebacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import enum
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from dlo_worker import metrics
+from dlo_worker.engine import (
+    GenerationFailedError,
+    IntakeClosedError,
+    QueueFullError,
+    RequestQueue,
+)
+from dlo_worker.openai_images import IMAGES_PATH, ImagesRequest, error_body, images_response
+from dlo_worker.requests import GenerationRequest, RequestLimits, request_problems
+
+logger = logging.getLogger(__name__)
+
+GENERATE_PATH = "/v1/generate"
+MODELS_PATH = "/v1/models"
+RETRY_AFTER_S = 5
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """Limits of the HTTP layer, set deliberately (docs/serving.md explains each)."""
+
+    max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0
+    """A declared body must arrive within this (a Content-Length larger than the body
+    gets 408 instead of holding the connection forever)."""
+    header_timeout_s: float = 10.0
+    """A connection must complete its request headers within this (slowloris)."""
+    keep_alive_s: int = 5
+    max_connections: int = 1024
+    """Open connections beyond this get 503 from uvicorn; each costs a socket, no thread."""
+    backlog: int = 2048
+
+
+class Phase(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+
+
+class ServerState:
+    """What the probes report; flipped by the serving lifecycle, read by the handlers."""
+
+    def __init__(
+        self, queue: RequestQueue | None, api_key: str | None = None, model_name: str = "model"
+    ) -> None:
+        self.queue = queue
+        self.api_key = api_key
+        """When set, generation routes need ``Authorization: Bearer <api_key>``."""
+        self.model_name = model_name
+        """The id ``/v1/models`` lists and OpenAI requests may name."""
+        self._phase = Phase.LOADING
+        self._limits: RequestLimits | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def limits(self) -> RequestLimits | None:
+        """What the loaded pipeline accepts (None while loading)."""
+        with self._lock:
+            return self._limits
+
+    def set_limits(self, limits: RequestLimits) -> None:
+        with self._lock:
+            self._limits = limits
+
+    @property
+    def phase(self) -> Phase:
+        with self._lock:
+            return self._phase
+
+    def set_phase(self, phase: Phase) -> None:
+        with self._lock:
+            self._phase = phase
+        metrics.READY.set(1 if phase is Phase.READY else 0)
+        logger.info("phase", extra={"fields": {"phase": phase.value}})
+
+
+class APIError(Exception):
+    """An error answer: status, one-line message, extra headers, and whether the
+    connection must close (its body may be unread, so it cannot carry another request)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        outcome: str | None = None,
+        headers: dict[str, str] | None = None,
+        close: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+        if close:
+            self.headers["Connection"] = "close"
+        if outcome is not None:
+            metrics.REQUESTS.labels(outcome=outcome).inc()
+
+
+def describe_body_error(error: ValidationError) -> str:
+    """One line naming each offending JSON field, e.g. ``steps: Input should be ...``."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
+        for item in error.errors()
+    )
+
+
+def _error_response(request: Request, status: int, message: str, headers: dict) -> Response:
+    openai_shaped = request.url.path.startswith((IMAGES_PATH, MODELS_PATH))
+    body = error_body(status, message) if openai_shaped else {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
+    """The ASGI app. No interactive docs: the worker is an API, and docs/serving.md is its
+    reference."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return _error_response(request, error.status, error.message, error.headers)
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, error: HTTPException) -> Response:
+        """404 for unknown routes, 405 with ``Allow`` for wrong methods."""
+        if error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        elif error.status_code == 404:
+            message = f"no route {request.url.path}"
+        else:
+            message = str(error.detail)
+        return _error_response(request, error.status_code, message, dict(error.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        logger.exception("http handler failed")
+        return _error_response(request, 500, f"internal error: {type(error).__name__}", {})
+
+    @app.get("/health/live")
+    async def live() -> dict:
+        return {"status": "live"}
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        phase = state.phase
+        return JSONResponse(
+            {"status": phase.value}, status_code=200 if phase is Phase.READY else 503
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(MODELS_PATH)
+    async def models(request: Request) -> dict:
+        _authorize(request, state)
+        return {
+            "object": "list",
+            "data": [{"id": state.model_name, "object": "model", "owned_by": "dlo-worker"}],
+        }
+
+    @app.post(GENERATE_PATH)
+    async def generate(request: Request) -> Response:
+        queue = _admitted_queue(request, state)
+        generation = _checked(
+            _parse(await _read_body(request, limits), GenerationRequest), state.limits
+        )
+        pngs = await _run(request, queue, generation)
+        headers = {"X-DLO-Seed": str(generation.seed)}
+        if len(pngs) == 1:
+            return Response(pngs[0], media_type="image/png", headers=headers)
+        encoded = [base64.b64encode(png).decode("ascii") for png in pngs]
+        return JSONResponse({"seed": generation.seed, "images": encoded}, headers=headers)
+
+    @app.post(IMAGES_PATH)
+    async def images(request: Request) -> Response:
+        queue = _admitted_queue(request, state)
+        body = _parse(await _read_body(request, limits), ImagesRequest)
+        if body.model is not None and body.model != state.model_name:
+            raise APIError(
+                404,
+                f"model: this worker serves {state.model_name!r}, not {body.model!r}",
+                outcome="rejected_invalid",
+            )
+        generation = _checked(_validated(body.generation_request), state.limits)
+        pngs = await _run(request, queue, generation)
+        return JSONResponse(images_response(pngs, created=int(time.time())))
+
+    return app
+
+
+def _admitted_queue(request: Request, state: ServerState) -> RequestQueue:
+    """The leader's queue for an authorized client."""
+    _authorize(request, state)
+    if state.queue is None:
+        raise APIError(421, "this Pod is not the engine's leader; send requests to its Service")
+    return state.queue
+
+
+def _authorize(request: Request, state: ServerState) -> None:
+    """Constant-time check of the bearer token (nothing to check without an API key)."""
+    key = state.api_key
+    if key is not None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if not (
+            scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send Authorization: Bearer <key>",
+                outcome="rejected_unauthorized",
+                headers={"WWW-Authenticate": "Bearer"},
+                close=True,
+            )
+
+
+async def _read_body(request: Request, limits: HTTPLimits) -> bytes:
+    """The body, within the size limit and the body deadline (uvicorn frames it, chunked or
+    by Content-Length). Both framing headers at once are refused: a proxy could frame that
+    stream differently from this server (request smuggling)."""
+    if "transfer-encoding" in request.headers and "content-length" in request.headers:
+        raise APIError(
+            400,
+            "Content-Length together with Transfer-Encoding is not accepted; send one",
+            outcome="rejected_invalid",
+            close=True,
+        )
+    declared = request.headers.get("content-length", "0")
+    if not declared.isdigit():
+        raise APIError(
+            400, "Content-Length is not a number", outcome="rejected_invalid", close=True
+        )
+    too_large = APIError(
+        413,
+        f"body over {limits.max_body_bytes} bytes",
+        outcome="rejected_invalid",
+        close=True,
+    )
+    if int(declared) > limits.max_body_bytes:
+        raise too_large
+    body = bytearray()
+
+    async def collect() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limits.max_body_bytes:
+                raise too_large
+
+    try:
+        await asyncio.wait_for(collect(), limits.body_timeout_s)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"the body did not arrive within {limits.body_timeout_s:g} s "
+            "(is Content-Length larger than the body?)",
+            outcome="rejected_invalid",
+            close=True,
+        ) from None
+    return bytes(body)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _parse(raw: bytes, model: type[Body]) -> Body:
+    """The JSON body as ``model`` (an empty body means every default), or 422."""
+    return _validated(lambda: model.model_validate_json(raw or b"{}"))
+
+
+def _validated(build: Callable[[], Body]) -> Body:
+    try:
+        return build()
+    except ValidationError as error:
+        raise APIError(422, describe_body_error(error), outcome="rejected_invalid") from None
+
+
+def _checked(generation: GenerationRequest, limits: RequestLimits | None) -> GenerationRequest:
+    """The request, if the loaded pipeline can take it; otherwise 422 naming the fields."""
+    if limits is not None and (problems := request_problems(generation, limits)):
+        raise APIError(422, "; ".join(problems), outcome="rejected_invalid")
+    return generation
+
+
+async def _run(request: Request, queue: RequestQueue, generation: GenerationRequest) -> list[bytes]:
+    """Queue the request and await its PNGs off the event loop. If the client leaves
+    first, cancel it: the engine drops it unless its wave has started."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    try:
+        future: Future[list[bytes]] = queue.submit(generation)
+    except IntakeClosedError as error:
+        raise APIError(503, str(error), outcome="rejected_unavailable", headers=retry) from None
+    except QueueFullError as error:
+        raise APIError(429, str(error), outcome="rejected_busy", headers=retry) from None
+    result = asyncio.wrap_future(future)
+    client_gone = asyncio.ensure_future(_client_disconnect(request))
+    await asyncio.wait({result, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+    client_gone.cancel()
+    if not result.done():
+        result.cancel()  # cancels the queued request unless its wave already runs
+        raise APIError(499, "client closed the request")
+    try:
+        return result.result()
+    except GenerationFailedError as error:
+        raise APIError(500, str(error)) from None
+
+
+async def _client_disconnect(request: Request) -> None:
+    """Returns when the client closes its connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
