@@ -1,11 +1,14 @@
 """``dlo-worker serve`` on two GPUs: NCCL AllGather inside lockstep waves, gloo control.
 
 Concurrent requests to a DP=2 engine must return the bytes a one-GPU resident
-``generate`` writes for the same seed, and SIGTERM must drain and exit cleanly.
+``generate`` writes for the same request, for the class-conditional DiT demo and for
+the text-to-image Flux demo (prompts and sizes, raw and OpenAI routes), and SIGTERM
+must drain and exit cleanly.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -23,17 +26,30 @@ import torch
 from tests.support.ports import free_port
 
 ENV = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
-SEEDS = (3, 4, 5)
+DIT_REQUESTS = tuple({"seed": seed, "steps": 4} for seed in (3, 4, 5))
+FLUX_REQUESTS = (
+    {"prompt": "a red cat", "seed": 3, "steps": 4, "width": 128, "height": 128},
+    {"prompt": "a blue dog", "seed": 4, "steps": 4, "width": 192, "height": 96},
+    {"prompt": "a red cat", "seed": 5, "steps": 4},
+)
 
 
 def post(url: str, body: dict) -> bytes:
+    """The PNG for ``body``; a body with ``size`` goes to the OpenAI route."""
+    path = "/v1/images/generations" if "size" in body else "/v1/generate"
     request = urllib.request.Request(
-        f"{url}/v1/generate",
+        f"{url}{path}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=600) as response:
-        return response.read()
+        data = response.read()
+    return base64.b64decode(json.loads(data)["data"][0]["b64_json"]) if "size" in body else data
+
+
+def as_flags(body: dict) -> list[str]:
+    """The ``generate`` flags of a request body."""
+    return [item for name, value in body.items() for item in (f"--{name}", str(value))]
 
 
 def ready(url: str) -> bool:
@@ -45,24 +61,35 @@ def ready(url: str) -> bool:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_dp2_allgather_engine_serves_resident_bytes(demo_model_dir: Path, tmp_path: Path) -> None:
-    expected = {}
-    for seed in SEEDS:
-        out = tmp_path / f"{seed}.png"
-        generate = ["generate", "--model", str(demo_model_dir), "--steps", "4"]
+@pytest.mark.parametrize("kind", ["dit", "flux"])
+def test_dp2_allgather_engine_serves_resident_bytes(
+    kind: str, demo_model_dir: Path, flux_model_dir: Path, tmp_path: Path
+) -> None:
+    model, bodies = (
+        (demo_model_dir, DIT_REQUESTS) if kind == "dit" else (flux_model_dir, FLUX_REQUESTS)
+    )
+    expected = []
+    for index, body in enumerate(bodies):
+        out = tmp_path / f"{index}.png"
+        generate = ["generate", "--model", str(model), *as_flags(body), "--out", str(out)]
         subprocess.run(
-            [sys.executable, "-m", "dlo_worker", *generate, "--seed", str(seed), "--out", str(out)],
+            [sys.executable, "-m", "dlo_worker", *generate],
             env=ENV,
             check=True,
             capture_output=True,
             timeout=600,
         )
-        expected[seed] = out.read_bytes()
+        expected.append(out.read_bytes())
+    if kind == "flux":  # the first request again, through the OpenAI route
+        first = dict(bodies[0])
+        size = f"{first.pop('width')}x{first.pop('height')}"
+        bodies = (*bodies, {**first, "size": size})
+        expected.append(expected[0])
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    serve = ["serve", "--model", str(demo_model_dir), "--port", str(port), "--log-level", "info"]
+    serve = ["serve", "--model", str(model), "--port", str(port), "--log-level", "info"]
     server = subprocess.Popen(
         [
             *launcher,
@@ -86,10 +113,10 @@ def test_dp2_allgather_engine_serves_resident_bytes(demo_model_dir: Path, tmp_pa
             assert server.poll() is None, server.communicate()[0]
             assert time.monotonic() < deadline, "never ready"
             time.sleep(0.5)
-        with ThreadPoolExecutor(len(SEEDS)) as pool:
-            images = list(pool.map(lambda seed: post(url, {"seed": seed, "steps": 4}), SEEDS))
-        for seed, image in zip(SEEDS, images, strict=True):
-            assert image == expected[seed], seed
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            images = list(pool.map(lambda body: post(url, body), bodies))
+        for body, image, reference in zip(bodies, images, expected, strict=True):
+            assert image == reference, body
     finally:
         server.send_signal(signal.SIGTERM)
         output = server.communicate(timeout=120)[0]
