@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,15 +153,28 @@ def test_an_allgather_engine_groups_mixed_sizes_in_lockstep_and_matches_resident
     server = Server(torchrun_command(arguments, log_dir), port)
     try:
         server.wait_ready()
-        slow = threading.Thread(target=server.generate, args=({**CAT, "steps": 40},))
+        slow = threading.Thread(target=server.generate, args=({**CAT, "steps": 400},))
         slow.start()
         time.sleep(1)  # the slow request holds the engine, so the rest queue up
+        # Arrival order fixed: cat and pair share a wave (mixed sizes), negative (true CFG)
+        # runs alone, then openai and dog share one (mixed sizes again).
         names = ["cat", "pair", "negative", "openai", "dog"]
-        with ThreadPoolExecutor(len(names)) as pool:
-            served = dict(zip(names, pool.map(lambda name: send(server, name), names), strict=True))
+        served: dict[str, list[bytes]] = {}
+        senders = []
+        for name in names:
+            sender = threading.Thread(
+                target=lambda name=name: served.setdefault(name, send(server, name))
+            )
+            sender.start()
+            senders.append(sender)
+            time.sleep(0.3)
+        assert slow.is_alive(), "the slow request ended before the others queued"
+        for sender in senders:
+            sender.join(timeout=300)
         slow.join(timeout=300)
     finally:
         output = server.stop()
+    assert served.keys() == set(names), output
     for name, pngs in served.items():
         assert pngs == resident[name], name
     logs = rank_logs(log_dir)
