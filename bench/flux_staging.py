@@ -1,12 +1,16 @@
-"""Checkpoint-backed staging vs the pinned path, Flux-class DiT, one GPU, same process.
+"""Checkpoint-backed staging and registration vs the pinned path, Flux-class DiT, one GPU,
+same process.
 
 The real FluxTransformer2DModel configuration with random bf16 weights is written as a
-sharded safetensors checkpoint, then run three ways, rank-local:
+sharded safetensors checkpoint, then run four ways, rank-local:
 
 - resident (all weights on the GPU), for the limit;
 - DLO, ordinary tensors: blocks in a private page-locked arena (the pinned path);
 - DLO, checkpoint mmap: the loader's plan; blocks stay in the page cache and are
-  packed by ``--pack-threads`` threads through two pinned staging buffers.
+  packed by ``--pack-threads`` threads through two pinned staging buffers;
+- DLO, registered checkpoint mmap: the mapping registered read-only with the driver and
+  copied directly (``--dlo-runtime-cache-pin-limit-gib``); registration is timed with
+  the checkpoint in the page cache and after evicting it (cold file).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of ANCHORS.md (30-34 GB/s).
@@ -60,7 +64,9 @@ def write_checkpoint(model: torch.nn.Module, directory: Path) -> float:
     return time.perf_counter() - started
 
 
-def checkpoint_backed(directory: Path, device: torch.device, pack_threads: int):
+def checkpoint_backed(
+    directory: Path, device: torch.device, pack_threads: int, registration_bytes: int = 0
+):
     """The skeleton and backend the worker would build from this directory."""
     from diffusers import FluxTransformer2DModel
 
@@ -83,7 +89,13 @@ def checkpoint_backed(directory: Path, device: torch.device, pack_threads: int):
         raise SystemExit(f"preflight refused the checkpoint: {prepared.reason}")
     plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, {"model": prepared.plan})
     backend = DistributedLayerwiseOffloadBackend(
-        OffloadConfig(use_allgather=False, pack_threads=pack_threads), device, plan
+        OffloadConfig(
+            use_allgather=False,
+            pack_threads=pack_threads,
+            host_registration_budget_bytes=registration_bytes,
+        ),
+        device,
+        plan,
     )
     return prepared.module, backend
 
@@ -116,6 +128,74 @@ def pack_rates(directory: Path, threads: list[int], blocks: int = 6) -> dict[int
     return rates
 
 
+def evict_page_cache(directory: Path) -> None:
+    """Drop the checkpoint's clean pages from the page cache (a cold file), without root."""
+    for path in directory.glob("*.safetensors"):
+        with path.open("rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def registered_runs(directory: Path, device: torch.device, inputs: dict, args, report) -> None:
+    """The registered checkpoint path: registration time (cold file, then warm) and steps."""
+    for cache in ("cold", "warm") if args.cold else ("warm",):
+        if cache == "cold":
+            evict_page_cache(directory)
+        started = time.perf_counter()
+        skeleton, backend = checkpoint_backed(directory, device, 1, registration_bytes=2**40)
+        backend.enable(skeleton)
+        stats = backend.stats()
+        report[f"registered_{cache}"] = {
+            "setup_s": time.perf_counter() - started,
+            "registration": stats.host_registration,
+            "registered_gib": stats.registered_bytes / 2**30,
+        }
+        if cache == "warm":
+            for resolution in args.resolutions:
+                release(device)
+                row = report["results"][resolution]
+                registered_s = step_seconds(skeleton, inputs[resolution], args.repeats)
+                row["registered_s"] = registered_s
+                row["registered_over_pinned"] = registered_s / row["pinned_s"]
+            report["registered_warm"]["achieved_h2d_gbps"] = backend.stats().h2d_gbps
+        backend.disable()
+        del skeleton, backend
+        gc.collect()
+        release(device)
+
+
+def staging_runs(
+    directory: Path, device: torch.device, inputs: dict, args, report: dict, *, bound_s: float
+) -> None:
+    """The checkpoint-mmap staging path for each ``--pack-threads``."""
+    for threads in args.pack_threads:
+        started = time.perf_counter()
+        skeleton, backend = checkpoint_backed(directory, device, threads)
+        backend.enable(skeleton)
+        setup_s = time.perf_counter() - started
+        for resolution in args.resolutions:
+            release(device)
+            row = report["results"][resolution]
+            staged_s = step_seconds(skeleton, inputs[resolution], args.repeats)
+            limit = max(row["resident_s"], bound_s)
+            row[f"staging_s_{threads}t"] = staged_s
+            row[f"staging_over_pinned_{threads}t"] = staged_s / row["pinned_s"]
+            row[f"staging_over_limit_{threads}t"] = staged_s / limit
+        stats = backend.stats()
+        report[f"staging_{threads}t"] = {
+            "setup_s": setup_s,
+            "pack_gbps": stats.pack_gbps,
+            "pack_wait_s": stats.pack_wait_seconds,
+            "achieved_h2d_gbps": stats.h2d_gbps,
+            "staging_gib": stats.staging_bytes / 2**30,
+            "host_private_gib": stats.host_bytes / 2**30,
+            "exposed_wait_ms_per_block": stats.exposed_wait_seconds_per_block * 1e3,
+        }
+        backend.disable()
+        del skeleton, backend
+        gc.collect()
+        release(device)
+
+
 def print_report(report: dict, pack_threads: list[int]) -> None:
     for threads, rate in report["pack_gbps_by_threads"].items():
         print(
@@ -123,13 +203,24 @@ def print_report(report: dict, pack_threads: list[int]) -> None:
             f"the one-thread anchor's top ({ANCHOR_PACK_GBPS[1]} GB/s)"
         )
     for resolution, row in report["results"].items():
-        for threads in pack_threads:
+        for threads in [t for t in pack_threads if f"staging_s_{t}t" in row]:
             print(
                 f"{resolution}: pinned {row['pinned_s']:.3f} s, staging ({threads} threads) "
                 f"{row[f'staging_s_{threads}t']:.3f} s = "
                 f"{row[f'staging_over_pinned_{threads}t']:.3f}x pinned, "
                 f"{row[f'staging_over_limit_{threads}t']:.3f}x limit "
                 f"(resident {row['resident_s']:.3f} s, bound {row['transfer_bound_s']:.3f} s)"
+            )
+        if "registered_s" in row:
+            print(
+                f"{resolution}: registered {row['registered_s']:.3f} s = "
+                f"{row['registered_over_pinned']:.3f}x pinned"
+            )
+    for cache in ("cold", "warm"):
+        if (run := report.get(f"registered_{cache}")) is not None:
+            print(
+                f"registration, {cache} page cache: {run['registered_gib']:.2f} GiB, setup "
+                f"{run['setup_s']:.1f} s ({run['registration']})"
             )
 
 
@@ -139,6 +230,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pack-threads", type=int, nargs="+", default=[8])
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--skip-staging", action="store_true", help="Only the pinned and registered paths."
+    )
+    parser.add_argument(
+        "--cold", action="store_true", help="Also time registration after evicting the file."
+    )
     args = parser.parse_args()
     from dlo_worker.offload import enable_dlo
 
@@ -174,34 +271,12 @@ def main() -> None:
         gc.collect()
         release(device)
 
-        report["pack_gbps_by_threads"] = pack_rates(directory, sorted({1, 2, 4, 8, 16}))
-        for threads in args.pack_threads:
-            started = time.perf_counter()
-            skeleton, backend = checkpoint_backed(directory, device, threads)
-            backend.enable(skeleton)
-            setup_s = time.perf_counter() - started
-            for resolution in args.resolutions:
-                release(device)
-                row = report["results"][resolution]
-                staged_s = step_seconds(skeleton, inputs[resolution], args.repeats)
-                limit = max(row["resident_s"], bound_s)
-                row[f"staging_s_{threads}t"] = staged_s
-                row[f"staging_over_pinned_{threads}t"] = staged_s / row["pinned_s"]
-                row[f"staging_over_limit_{threads}t"] = staged_s / limit
-            stats = backend.stats()
-            report[f"staging_{threads}t"] = {
-                "setup_s": setup_s,
-                "pack_gbps": stats.pack_gbps,
-                "pack_wait_s": stats.pack_wait_seconds,
-                "achieved_h2d_gbps": stats.h2d_gbps,
-                "staging_gib": stats.staging_bytes / 2**30,
-                "host_private_gib": stats.host_bytes / 2**30,
-                "exposed_wait_ms_per_block": stats.exposed_wait_seconds_per_block * 1e3,
-            }
-            backend.disable()
-            del skeleton, backend
-            gc.collect()
-            release(device)
+        registered_runs(directory, device, inputs, args, report)
+        report["pack_gbps_by_threads"] = (
+            {} if args.skip_staging else pack_rates(directory, sorted({1, 2, 4, 8, 16}))
+        )
+        if not args.skip_staging:
+            staging_runs(directory, device, inputs, args, report, bound_s=bound_s)
     print_report(report, args.pack_threads)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

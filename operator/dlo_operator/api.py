@@ -132,7 +132,8 @@ class RuntimeCache(_Api):
         ge=0,
         allow_inf_nan=False,
         alias="pinLimitGiB",
-        description="Host-registration budget per worker process (GiB); 0 = bounded staging.",
+        description="Host-registration budget per worker process (GiB) for direct copies "
+        "from the runtime cache or an exactly matching checkpoint; 0 = bounded staging.",
     )
     size_budget_gib: float | None = Field(
         default=None,

@@ -77,9 +77,10 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
 
 
 def pinned_budget_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
-    """Host memory each Pod page-locks on purpose: the registration budget of every rank."""
+    """Host memory each Pod page-locks on purpose: the registration budget of every rank
+    (runtime-cache entries and checkpoint mappings alike)."""
     cache = spec.offload.runtime_cache
-    if not (spec.offload.enabled and cache.enabled):
+    if not spec.offload.enabled:
         return Decimal(0)
     return Decimal(str(cache.pin_limit_gib)) * GIB * spec.gpus_per_node
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from prometheus_client import REGISTRY
 
 from dlo_worker import metrics
 from dlo_worker.cli import main as worker_main
@@ -78,8 +79,35 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
     assert stats.host_bytes == 0  # no private copy of the blocks
     assert stats.staging_bytes == 2 * stats.largest_block_bytes
     assert stats.pack_gbps > 0
+    assert stats.host_registration == "off"
     if variant == "fused":
         assert "adapters: fused-qkv" in worker.backing.reason
+
+
+def test_a_registration_budget_on_the_cpu_stages_and_says_why(variants, resident) -> None:
+    """Registration needs a CUDA device: the CPU keeps staging, logged and counted."""
+    counted = REGISTRY.get_sample_value("dlo_host_registrations_total", {"result": "cpu"}) or 0
+    config = worker_config(variants["single"], dlo=True, dlo_runtime_cache_pin_limit_gib=1)
+    outputs, worker = run_worker(config)
+    assert_bitwise(outputs, resident)
+    assert worker.stats.host_registration == "cpu"
+    assert worker.stats.registered_bytes == 0
+    assert worker.stats.staging_bytes > 0
+    assert (
+        REGISTRY.get_sample_value("dlo_host_registrations_total", {"result": "cpu"}) == counted + 1
+    )
+
+
+@pytest.mark.parametrize(("variant", "registrable"), [("single", True), ("fused", False)])
+def test_only_plans_without_adapters_are_registrable(variant, registrable, variants) -> None:
+    config = worker_config(variants[variant], dlo=True)
+    loader = DiffusersPipelineLoader(config, dtype=torch.float32, device=torch.device("cpu"))
+    loader.load()
+    plan = loader.take_host_weight_plan()
+    try:
+        assert plan.registrable is registrable
+    finally:
+        plan.close()
 
 
 def test_the_dit_is_never_materialized_and_the_plan_is_taken_once(variants) -> None:

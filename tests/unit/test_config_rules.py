@@ -148,10 +148,21 @@ def test_runtime_cache_rejects_hsdp() -> None:
     assert "--use-hsdp" in message
 
 
-def test_positive_pin_limit_requires_the_runtime_cache() -> None:
-    message = rejected(offload={**NO_ALLGATHER, "dlo_runtime_cache_pin_limit_gib": 4})
+def test_positive_pin_limit_registers_a_checkpoint_mapping_without_the_runtime_cache() -> None:
+    effective = config(offload={**NO_ALLGATHER, "dlo_runtime_cache_pin_limit_gib": 4}).effective()
+    assert effective.host_backing_candidates == [HostBacking.CHECKPOINT_MMAP, HostBacking.ORDINARY]
+
+
+def test_positive_pin_limit_is_refused_with_allgather() -> None:
+    message = rejected(
+        parallel={"data_parallel_size": 2},
+        offload={
+            "enable_distributed_layerwise_offload": True,
+            "dlo_runtime_cache_pin_limit_gib": 4,
+        },
+    )
     assert "--dlo-runtime-cache-pin-limit-gib" in message
-    assert "--dlo-enable-runtime-cache" in message
+    assert "--dlo-no-use-allgather" in message
 
 
 def test_positive_pin_limit_with_runtime_cache_prefers_the_registered_cache() -> None:

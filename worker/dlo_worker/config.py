@@ -238,8 +238,9 @@ class OffloadOptions(_Options):
     )
     dlo_runtime_cache_pin_limit_gib: float = Field(
         default=0.0,
-        description="Host-registration budget (GiB) for direct H2D from the runtime cache; "
-        "0 keeps bounded staging.",
+        description="Host-registration budget (GiB) per worker for direct H2D from the "
+        "mapped weights (a runtime-cache entry, or a checkpoint that matches the model "
+        "without adapters), rank-local DLO on CUDA; 0 keeps bounded staging.",
     )
 
     dlo_block_paths: tuple[str, ...] | None = Field(
@@ -385,10 +386,11 @@ def combination_errors(config: WorkerConfig) -> list[str]:
             "--dlo-runtime-cache-size-budget-gib requires --dlo-enable-runtime-cache: it bounds "
             "the runtime cache; add --dlo-enable-runtime-cache or drop it"
         )
-    if offload.dlo_runtime_cache_pin_limit_gib > 0 and not offload.dlo_enable_runtime_cache:
+    if offload.dlo_runtime_cache_pin_limit_gib > 0 and sharding_size > 1:
         errors.append(
-            "--dlo-runtime-cache-pin-limit-gib > 0 requires --dlo-enable-runtime-cache: only "
-            "runtime-cache mappings are registered; add --dlo-enable-runtime-cache or set it to 0"
+            "--dlo-runtime-cache-pin-limit-gib > 0 registers the mapped weights of rank-local "
+            "DLO, but with DLO AllGather each rank's shard already sits in private pinned "
+            "memory; add --dlo-no-use-allgather or set it to 0"
         )
     return errors
 

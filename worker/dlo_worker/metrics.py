@@ -53,6 +53,13 @@ RUNTIME_CACHE_BUILD_SECONDS = Histogram(
 RUNTIME_CACHE_BYTES = Counter(
     "dlo_runtime_cache_written_bytes", "Bytes of runtime-cache entries this process published."
 )
+HOST_REGISTRATIONS = Counter(
+    "dlo_host_registrations",
+    "Starts with mapped DiT blocks, by how they reach the device: registered (direct "
+    "copies), off (no --dlo-runtime-cache-pin-limit-gib), or why registration fell back "
+    "to staging (budget, unsupported, cpu, adapter, not-mapped, failed, timeout, not-pinned).",
+    ["result"],
+)
 NONFINITE_OUTPUTS = Counter(
     "dlo_nonfinite_outputs",
     "Generations whose decoded image held NaN or infinity (refused, not written).",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from dlo_worker import metrics
 from dlo_worker.config import OffloadPolicy, ShardingGroup, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
@@ -77,6 +78,9 @@ class Worker:
         try:
             self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device, plan)
             self.backend.enable(self.pipeline)
+            registration = self.backend.stats().host_registration
+            if registration != "none":
+                metrics.HOST_REGISTRATIONS.labels(result=registration).inc()
         except Exception as error:
             if plan is None:
                 raise
@@ -115,4 +119,5 @@ def offload_config_for(
         if offload.dlo_gpu_memory_budget_gib is None
         else int(offload.dlo_gpu_memory_budget_gib * 2**30),
         block_paths=offload.dlo_block_paths,
+        host_registration_budget_bytes=int(offload.dlo_runtime_cache_pin_limit_gib * 2**30),
     )

@@ -93,6 +93,11 @@ class HostWeightPlan:
         plan = self.components.get(component)
         return plan is not None and name in plan.bindings
 
+    @property
+    def registrable(self) -> bool:
+        """Only a plan without adapters maps the final tensors byte for byte."""
+        return not any(plan.adapters for plan in self.components.values())
+
     def tensor(self, component: str, name: str) -> torch.Tensor:
         """The immutable view of runtime tensor ``name`` (its transform applied; no copy).
 

@@ -21,8 +21,13 @@ composition"):
 - a :class:`~dlo_worker.offload.host_source.HostWeightSource` (the loader's checkpoint
   ``HostWeightPlan``), AllGather: each rank packs its shard from
   the mapped files into the arena, then the plan's mappings are closed;
-- a checkpoint plan, rank-local: blocks keep only immutable views of the mapped
-  files and are packed through two bounded pinned staging buffers per load.
+- a mapped source (checkpoint plan or runtime-cache entry), rank-local: blocks keep
+  only immutable views of the mapped files. With a registration budget
+  (``host_registration_budget_bytes``) on CUDA, the views' ranges are registered with
+  the driver and each load copies them directly (:mod:`~dlo_worker.offload.direct_source`);
+  otherwise, or if registration is refused (budget, platform, a deferred adapter, a
+  failed call: all or nothing, the reason is logged and reported in ``stats``), they
+  are packed through two bounded pinned staging buffers per load.
 
 With a plan the DiT was never materialized, so failing to consume the plan is a
 hard error (:class:`HostWeightPlanError`), never a fallback.
@@ -45,6 +50,7 @@ from tqdm.auto import tqdm
 from dlo_worker.errors import UserFixableError
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter, coalesce
 from dlo_worker.offload.config import OffloadConfig
+from dlo_worker.offload.direct_source import DIRECT
 from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host import ARENA, HostArena
 from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
@@ -56,6 +62,7 @@ from dlo_worker.offload.layout import (
     streamed_parameters,
 )
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
+from dlo_worker.offload.registration import RegisteredRanges, RegistrationRefusedError
 from dlo_worker.offload.residency import resident_within_budget, spread_evenly
 from dlo_worker.offload.schedule import Schedule
 from dlo_worker.offload.slots import SlotPair, TransferCounters
@@ -118,6 +125,12 @@ class OffloadStats:
     """Private host bytes holding streamed weights on this rank (page-locked on CUDA)."""
     staging_bytes: int
     """The two pinned staging buffers of checkpoint-backed rank-local streaming."""
+    host_registration: str
+    """Mapped blocks: ``registered`` (direct copies), ``off`` (no budget), or why staging
+    is used (``budget``, ``unsupported``, ``cpu``, ``adapter``, ``not-mapped``, ``failed``,
+    ``timeout``, ``not-pinned``); ``none`` without mapped blocks."""
+    registered_bytes: int
+    """Host bytes registered with the driver for direct copies (page-locked, shared)."""
     pack_gbps: float
     """Staging pack rate (bytes packed / pack wall time)."""
     pack_wait_seconds: float
@@ -161,6 +174,8 @@ class DistributedLayerwiseOffloadBackend:
         self._resident_blocks = 0
         self._arena: HostArena | None = None
         self._staging: HostStaging | None = None
+        self._registered: RegisteredRanges | None = None
+        self._registration = "none"
         self._packer: Packer | None = None
         self._slots: SlotPair | None = None
         self._hooks: BlockHooks | None = None
@@ -200,6 +215,7 @@ class DistributedLayerwiseOffloadBackend:
         self._check_plan_covers(plan)
         self._check_not_taken(plan)
         self._counters = TransferCounters()
+        self._registration = "none"
         try:
             self._enable(model_or_pipeline, plan)
         except BaseException:
@@ -217,6 +233,7 @@ class DistributedLayerwiseOffloadBackend:
                     "host_backing": self._host_backing,
                     "host_gib": round(self._arena.nbytes / 2**30, 3),
                     "staging_gib": round(self._staging.nbytes / 2**30, 3) if self._staging else 0,
+                    "host_registration": self._registration,
                     "pack_threads": self._packer.threads,
                     "slot_gib": round(self._slots.device_bytes / 2**30, 3),
                     "setup_s": round(time.perf_counter() - started, 3),
@@ -292,8 +309,11 @@ class DistributedLayerwiseOffloadBackend:
 
         layouts = [block.layout for block in self._blocks]
         capacity = slot_capacity(layouts, self._shards)
-        if any(block.mapped for block in self._blocks):
-            staged = slot_capacity([b.layout for b in self._blocks if b.mapped], 1)
+        mapped = [block for block in self._blocks if block.mapped]
+        if mapped:
+            self._registered = self._register(mapped)
+        if mapped and self._registered is None:
+            staged = slot_capacity([b.layout for b in mapped], 1)
             self._staging = HostStaging(
                 staged, self._packer, self._counters, page_lock=self.device.type == "cuda"
             )
@@ -305,8 +325,9 @@ class DistributedLayerwiseOffloadBackend:
             counters=self._counters,
             shard_buffers=shard_buffers,
         )
+        mapped_source = DIRECT if self._registered is not None else self._staging
         for block in self._blocks:
-            block.source = self._staging if block.mapped else ARENA
+            block.source = mapped_source if block.mapped else ARENA
         placeholders = {
             dtype: torch.empty(0, dtype=dtype, device=self.device)
             for dtype in {dtype for layout in layouts for dtype in layout.by_dtype}
@@ -322,6 +343,49 @@ class DistributedLayerwiseOffloadBackend:
             self._slots.load(first.successor, 0, then=first.then)
             self._slots.last_used = 1
         self._plan = plan
+
+    def _register(self, blocks: list[StreamedBlock]) -> RegisteredRanges | None:
+        """Register the mapped views of ``blocks`` for direct copies, or None (staging),
+        recording the outcome for ``stats`` and logging why registration was refused."""
+        budget = self.config.host_registration_budget_bytes
+        if budget <= 0:
+            self._registration = "off"
+            return None
+        if self.device.type != "cuda":
+            refused = RegistrationRefusedError("cpu", "host registration needs a CUDA device")
+        elif not self.host_weight_plan.registrable:
+            refused = RegistrationRefusedError(
+                "adapter",
+                "the mapped weights go through a checkpoint adapter, so the mapping is not the "
+                "final layout; enable the runtime cache to register its final tensors",
+            )
+        else:
+            from dlo_worker.offload.cuda_registrar import CudaHostRegistrar
+
+            views = [
+                piece.source
+                for block in blocks
+                for pieces in block.mapped.values()
+                for piece in pieces
+            ]
+            try:
+                registered = RegisteredRanges.register(
+                    views,
+                    CudaHostRegistrar(self.device),
+                    budget_bytes=budget,
+                    timeout_s=self.config.host_registration_timeout_s,
+                )
+            except RegistrationRefusedError as error:
+                refused = error
+            else:
+                self._registration = "registered"
+                return registered
+        self._registration = refused.reason
+        logger.warning(
+            "host registration refused, staging instead",
+            extra={"fields": {"reason": refused.reason, "why": str(refused)}},
+        )
+        return None
 
     def _choose_resident(self, plan: OffloadPlan) -> set[int]:
         """Ids of the blocks that stay on the device: ``resident_layers`` per DiT, or as many
@@ -576,6 +640,10 @@ class DistributedLayerwiseOffloadBackend:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
+        if self._registered is not None:
+            # Unregistered before the mappings close (below), after the copies finished.
+            self._registered.release()
+            self._registered = None
         if self._packer is not None:
             self._packer.close()
             self._packer = None
@@ -626,6 +694,8 @@ class DistributedLayerwiseOffloadBackend:
             else 0.0,
             host_bytes=self._arena.nbytes if self._arena else 0,
             staging_bytes=self._staging.nbytes if self._staging else 0,
+            host_registration=self._registration,
+            registered_bytes=self._registered.nbytes if self._registered else 0,
             pack_gbps=counters.pack_bytes / counters.pack_seconds / 1e9
             if counters.pack_seconds
             else 0.0,

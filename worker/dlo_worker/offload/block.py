@@ -69,13 +69,28 @@ class StreamedParameter(NamedTuple):
     """The parameter's name inside its block (``attn1.to_q.weight``)."""
 
 
+class HostCopy(NamedTuple):
+    """One host-to-device copy of a load: ``source`` lands at element ``offset`` of the
+    slot's ``dtype`` buffer."""
+
+    dtype: torch.dtype
+    offset: int
+    source: torch.Tensor
+
+
+def whole_buffers(tensors: dict[torch.dtype, torch.Tensor]) -> list[HostCopy]:
+    """One copy per dtype, each to the start of its buffer (a packed block or shard)."""
+    return [HostCopy(dtype, 0, tensor) for dtype, tensor in tensors.items()]
+
+
 class HostSource(Protocol):
     """Where a streamed block's bytes come from when a slot loads it: the private arena
-    (``host.ArenaSource``), packed staging of mapped views (``staging.HostStaging``), and
-    later a registered mapping. A new host backing is one new implementation."""
+    (``host.ArenaSource``), packed staging of mapped views (``staging.HostStaging``), or
+    registered mapped views copied directly (``direct_source.DirectSource``). A new host
+    backing is one new implementation."""
 
-    def tensors(self, block: StreamedBlock, slot_index: int) -> dict[torch.dtype, torch.Tensor]:
-        """Host tensors to copy into slot ``slot_index``, per dtype (may wait for a pack)."""
+    def copies(self, block: StreamedBlock, slot_index: int) -> list[HostCopy]:
+        """The copies that fill slot ``slot_index`` with ``block`` (may wait for a pack)."""
         ...
 
     def copied(
@@ -85,7 +100,7 @@ class HostSource(Protocol):
         event: torch.cuda.Event | None,
         then: StreamedBlock | None,
     ) -> None:
-        """The copy out of ``tensors`` was enqueued (``event`` marks its end on CUDA);
+        """The copies out of ``copies`` were enqueued (``event`` marks its end on CUDA);
         ``then`` is the block expected after ``block``."""
         ...
 

@@ -46,6 +46,11 @@ class OffloadConfig:
     copies outlast their compute borrow time from blocks whose compute outlasts theirs."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
+    host_registration_budget_bytes: int = 0
+    """Rank-local mapped blocks on CUDA: register the mapping for direct copies when its
+    pages fit this many bytes (0: always stage)."""
+    host_registration_timeout_s: float = 600.0
+    """Registration taking longer falls back to staging (checked between ranges)."""
 
     def __post_init__(self) -> None:
         if self.resident_layers < 0:
@@ -53,6 +58,11 @@ class OffloadConfig:
         if self.allgather_shard_buffers < 2:
             raise ValueError(
                 f"allgather_shard_buffers must be >= 2, got {self.allgather_shard_buffers}"
+            )
+        if self.host_registration_budget_bytes < 0:
+            raise ValueError(
+                "host_registration_budget_bytes must be >= 0, got "
+                f"{self.host_registration_budget_bytes}"
             )
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")

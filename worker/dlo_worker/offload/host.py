@@ -14,7 +14,7 @@ import logging
 import torch
 
 from dlo_worker.errors import UserFixableError
-from dlo_worker.offload.block import StreamedBlock
+from dlo_worker.offload.block import HostCopy, StreamedBlock, whole_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class HostArena:
 class ArenaSource:
     """The host source of blocks packed into the arena: their range is copied as it is."""
 
-    def tensors(self, block: StreamedBlock, _slot_index: int) -> dict[torch.dtype, torch.Tensor]:
-        return block.host_source
+    def copies(self, block: StreamedBlock, _slot_index: int) -> list[HostCopy]:
+        return whole_buffers(block.host_source)
 
     def copied(self, *_args: object) -> None:
         """Nothing to hand back: the arena range stays the block's."""

@@ -4,8 +4,8 @@ The backend streams blocks whose parameters are ordinary tensors, or, when a loa
 proved it safe, reads them from a :class:`HostWeightSource`: an object that binds every
 tensor of some DiT components (``transformer``, ``transformer_2``) to a host view it
 hands out, and that is closed once the backend no longer needs it. The loader's
-``HostWeightPlan`` (checkpoint mappings) is one; a node-local cache entry or a registered
-mapping will be others. The backend knows only this protocol, never the loader.
+``HostWeightPlan`` (checkpoint mappings) is one, a node-local runtime-cache entry
+another. The backend knows only this protocol, never the loader.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ class HostWeightSource(Protocol):
 
     @property
     def closed(self) -> bool: ...
+
+    @property
+    def registrable(self) -> bool:
+        """Whether every view is final bytes of a file mapping (no adapter deferred), so
+        registering the mapping for direct device copies is safe."""
+        ...
 
     def tensor(self, component: str, name: str) -> torch.Tensor:
         """A host view of ``component``'s tensor ``name`` (state-dict name)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dlo_worker.offload.block import StreamedBlock
+from dlo_worker.offload.block import HostCopy, StreamedBlock, whole_buffers
 
 
 @dataclass
@@ -168,40 +168,40 @@ class SlotPair:
             self._load_synchronously(block, slot_index, then)
 
     def _copy_host_to_device(
-        self, sources: dict[torch.dtype, torch.Tensor], targets: dict[torch.dtype, torch.Tensor]
+        self, copies: list[HostCopy], targets: dict[torch.dtype, torch.Tensor]
     ) -> None:
-        for dtype, source in sources.items():
-            targets[dtype][: source.numel()].copy_(source, non_blocking=True)
+        for dtype, offset, source in copies:
+            targets[dtype][offset : offset + source.numel()].copy_(source, non_blocking=True)
             self.counters.h2d_bytes += source.nbytes
 
     def _load_synchronously(
         self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None
     ) -> None:
-        sources = block.source.tensors(block, slot_index)
+        copies = block.source.copies(block, slot_index)
         started = time.perf_counter()
-        self._copy_host_to_device(sources, self.slots[slot_index].buffers)
+        self._copy_host_to_device(copies, self.slots[slot_index].buffers)
         self.counters.h2d_seconds += time.perf_counter() - started
         block.source.copied(block, slot_index, None, then)
 
     def _load_cuda(self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None) -> None:
         slot = self.slots[slot_index]
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
-        sources = block.source.tensors(block, slot_index)
+        copies = block.source.copies(block, slot_index)
         # The copy lands in the slot itself: wait until compute released it.
         self.copy_stream.wait_event(slot.released)
-        copy_finished = self._timed_copy(sources, slot.buffers)
+        copy_finished = self._timed_copy(copies, slot.buffers)
         block.source.copied(block, slot_index, copy_finished, then)
         slot.ready.record(self.copy_stream)
 
     def _timed_copy(
-        self, sources: dict[torch.dtype, torch.Tensor], targets: dict[torch.dtype, torch.Tensor]
+        self, copies: list[HostCopy], targets: dict[torch.dtype, torch.Tensor]
     ) -> torch.cuda.Event:
         """Copy on the copy stream between two timing events; returns the end event."""
         copy_started = torch.cuda.Event(enable_timing=True)
         copy_finished = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             copy_started.record()
-            self._copy_host_to_device(sources, targets)
+            self._copy_host_to_device(copies, targets)
             copy_finished.record()
         self.counters.pending_h2d.append((copy_started, copy_finished))
         return copy_finished
@@ -229,12 +229,12 @@ class SlotPair:
         buffer.block = block
         if not self.on_cuda:
             started = time.perf_counter()
-            self._copy_host_to_device(block.host_source, buffer.buffers)
+            self._copy_host_to_device(whole_buffers(block.host_source), buffer.buffers)
             self.counters.h2d_seconds += time.perf_counter() - started
             return buffer
         # Free once its last gather ran: the copy overlaps compute that reads the slots.
         self.copy_stream.wait_event(buffer.consumed)
-        self._timed_copy(block.host_source, buffer.buffers)
+        self._timed_copy(whole_buffers(block.host_source), buffer.buffers)
         buffer.staged.record(self.copy_stream)
         return buffer
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlo_worker.offload.block import MappedPiece, StreamedBlock
+from dlo_worker.offload.block import HostCopy, MappedPiece, StreamedBlock, whole_buffers
 from dlo_worker.offload.host import HostArena
 
 if TYPE_CHECKING:
@@ -160,9 +160,9 @@ class HostStaging:
             for dtype, layout in block.layout.by_dtype.items()
         }
 
-    def tensors(self, block: StreamedBlock, slot_index: int) -> dict[torch.dtype, torch.Tensor]:
+    def copies(self, block: StreamedBlock, slot_index: int) -> list[HostCopy]:
         """:class:`~dlo_worker.offload.block.HostSource`: the block packed into staging."""
-        return self.packed(block, slot_index)
+        return whole_buffers(self.packed(block, slot_index))
 
     def copied(
         self,

@@ -219,6 +219,8 @@ class RuntimeCacheEntry:
     """A published entry, mapped read-only; a ``HostWeightSource`` for the DLO backend."""
 
     backing = "runtime-cache"
+    registrable = True
+    """An entry holds the final tensors in the slots' layout: safe to register."""
 
     def __init__(self, directory: Path, manifest: dict, on_close: Callable[[], None]) -> None:
         self.directory = directory
