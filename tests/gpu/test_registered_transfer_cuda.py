@@ -25,7 +25,9 @@ from dlo_worker.offload.cuda_registrar import HOST_REGISTER_READ_ONLY, CudaHostR
 from dlo_worker.offload.registration import (
     RegisteredRanges,
     RegistrationRefusedError,
+    SharedFileViews,
     extent_of,
+    mapping_of,
     page_ranges,
     read_mappings,
 )
@@ -122,13 +124,16 @@ def test_refused_registration_stages_and_says_why(
 def test_a_failure_in_the_middle_unregisters_every_earlier_range(tmp_path: Path) -> None:
     """Two mapped files; the second file's range is already registered, so registering
     it again fails: the first must be unregistered and the CUDA error cleared."""
+    translator = SharedFileViews()
     views = []
     for index in range(2):
         path = tmp_path / f"{index}.safetensors"
         save_file({"w": torch.randn(1 << 20)}, str(path))
         with safe_open(str(path), framework="pt") as handle:
-            views.append(handle.get_tensor("w"))
-    ranges = page_ranges(extent_of(view, read_mappings()) for view in views)
+            private = handle.get_tensor("w")
+        views.append(translator.view_of(private, mapping_of(private, read_mappings())))
+    mappings = read_mappings()
+    ranges = page_ranges(extent_of(view, mappings) for view in views)
     cudart = torch.cuda.cudart()
     taken = ranges[-1]
     assert int(cudart.cudaHostRegister(taken.start, taken.nbytes, HOST_REGISTER_READ_ONLY)) == 0
@@ -137,7 +142,7 @@ def test_a_failure_in_the_middle_unregisters_every_earlier_range(tmp_path: Path)
         with pytest.raises(RegistrationRefusedError) as refused:
             RegisteredRanges.register(views, registrar, budget_bytes=1 << 30, timeout_s=60)
         assert refused.value.reason == "failed"
-        first = views[0] if extent_of(views[0], read_mappings()).start < taken.start else views[1]
+        first = next(view for view in views if extent_of(view, mappings).start < taken.start)
         assert not first.is_pinned()  # rolled back
         torch.ones(4, device="cuda").sum().item()  # no sticky error left for torch
     finally:

@@ -22,8 +22,10 @@ from dlo_worker.offload.registration import (
     RegisteredRanges,
     RegistrationRefusedError,
     RegistrationRollbackError,
+    SharedFileViews,
     ViewExtent,
     extent_of,
+    mapping_of,
     page_ranges,
     read_mappings,
 )
@@ -83,6 +85,36 @@ def test_tensors_of_one_file_are_grouped_by_its_mapping(
     ranges = page_ranges(extents)
     assert len(ranges) == 2  # one per file
     assert all(r.start % registration.PAGE_BYTES == 0 for r in ranges)
+
+
+def test_private_file_mappings_are_read_through_a_shared_mapping(
+    mapped_views: list[torch.Tensor],
+) -> None:
+    """safetensors maps files copy-on-write; pinning such a mapping makes the kernel copy
+    every page, so registration reads the same bytes through a MAP_SHARED mapping."""
+    private = read_mappings()
+    assert not any(mapping_of(view, private).shared for view in mapped_views)
+    translator = SharedFileViews()
+    shared = [translator.view_of(view, mapping_of(view, private)) for view in mapped_views]
+    after = read_mappings()
+    for original, view in zip(mapped_views, shared, strict=True):
+        assert torch.equal(original, view)
+        assert (view.dtype, view.shape) == (original.dtype, original.shape)
+        assert view.data_ptr() != original.data_ptr()
+        assert view.data_ptr() % registration.PAGE_BYTES == original.data_ptr() % (
+            registration.PAGE_BYTES
+        )
+        mapping = mapping_of(view, after)
+        assert mapping.shared
+        assert mapping.path == mapping_of(original, private).path
+
+
+def test_registration_hands_back_the_shared_views(mapped_views: list[torch.Tensor]) -> None:
+    registered = register(mapped_views, RecordingRegistrar())
+    mappings = read_mappings()
+    assert all(mapping_of(view, mappings).shared for view in registered.views)
+    assert all(map(torch.equal, registered.views, mapped_views))
+    registered.release()
 
 
 def test_private_memory_is_not_registered() -> None:
@@ -218,4 +250,6 @@ def test_a_failed_rollback_is_fatal_and_keeps_the_views_mapped(
         register(mapped_views, registrar)
     assert "must exit" in str(failed.value)
     assert len(registration._RETAINED) == retained_before + 1
-    assert registration._RETAINED[-1][0] is mapped_views[0]
+    retained = registration._RETAINED[-1]  # the registered (shared) views stay mapped
+    assert len(retained) == len(mapped_views)
+    assert all(mapping_of(view, read_mappings()).shared for view in retained)

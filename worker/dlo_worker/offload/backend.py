@@ -362,15 +362,15 @@ class DistributedLayerwiseOffloadBackend:
         else:
             from dlo_worker.offload.cuda_registrar import CudaHostRegistrar
 
-            views = [
-                piece.source
+            places = [
+                (pieces, index)
                 for block in blocks
                 for pieces in block.mapped.values()
-                for piece in pieces
+                for index in range(len(pieces))
             ]
             try:
                 registered = RegisteredRanges.register(
-                    views,
+                    [pieces[index].source for pieces, index in places],
                     CudaHostRegistrar(self.device),
                     budget_bytes=budget,
                     timeout_s=self.config.host_registration_timeout_s,
@@ -378,6 +378,9 @@ class DistributedLayerwiseOffloadBackend:
             except RegistrationRefusedError as error:
                 refused = error
             else:
+                # Copy from the registered (shared-mapping) views of the same bytes.
+                for (pieces, index), view in zip(places, registered.views, strict=True):
+                    pieces[index] = pieces[index]._replace(source=view.reshape(-1))
                 self._registration = "registered"
                 return registered
         self._registration = refused.reason
