@@ -56,6 +56,15 @@ class ImagePullPolicy(StrEnum):
     NEVER = "Never"
 
 
+class Accelerator(StrEnum):
+    """What each rank of an engine runs on."""
+
+    NVIDIA_GPU = "nvidia-gpu"
+    """One ``nvidia.com/gpu`` per rank; NCCL between ranks."""
+    NONE = "none"
+    """CPU ranks with gloo: engines that run where there is no GPU (demos, CI)."""
+
+
 class LockedMemory(StrEnum):
     """How a worker gets a locked-memory limit high enough for mlock or RDMA registration."""
 
@@ -266,7 +275,17 @@ class DiffusionDeploymentSpec(_Api):
     worker: WorkerImage
     replicas: int = Field(default=1, ge=0, description="Independent engines.")
     parallelism: Parallelism = Parallelism()
-    gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs (ranks) per Pod.")
+    gpus_per_node: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Ranks per Pod: GPUs, or CPU processes with accelerator none.",
+    )
+    accelerator: Accelerator = Field(
+        default=Accelerator.NVIDIA_GPU,
+        description="nvidia-gpu: one nvidia.com/gpu per rank (NCCL); none: CPU ranks with "
+        "gloo and no GPU request, for demos and CI (much slower).",
+    )
     dtype: DType = DType.AUTO
     quantization: Quantization = Quantization.NONE
     offload: Offload = Offload()

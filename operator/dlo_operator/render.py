@@ -29,6 +29,7 @@ from dlo_operator.api import (
     GROUP,
     KIND,
     VERSION,
+    Accelerator,
     DiffusionDeploymentSpec,
     LockedMemory,
 )
@@ -253,15 +254,17 @@ def _resources(spec: DiffusionDeploymentSpec) -> dict[str, dict[str, str]]:
 
     No CPU limit: throttling would stall the pack threads and NCCL's proxy threads.
     """
-    gpus = str(spec.gpus_per_node)
     cpu = spec.resources.cpu or _cpu_quantity(
         parse_quantity(spec.resources.cpu_per_rank) * spec.gpus_per_node
     )
     memory = spec.resources.memory or _gib_quantity(derived_memory_bytes(spec))
     disk = spec.resources.ephemeral_storage
+    gpus = {GPU_RESOURCE: str(spec.gpus_per_node)}
+    if spec.accelerator == Accelerator.NONE:
+        gpus = {}
     return {
-        "requests": {GPU_RESOURCE: gpus, "cpu": cpu, "memory": memory, "ephemeral-storage": disk},
-        "limits": {GPU_RESOURCE: gpus, "memory": memory, "ephemeral-storage": disk},
+        "requests": {**gpus, "cpu": cpu, "memory": memory, "ephemeral-storage": disk},
+        "limits": {**gpus, "memory": memory, "ephemeral-storage": disk},
     }
 
 

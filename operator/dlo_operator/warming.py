@@ -19,7 +19,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo_operator.api import GROUP, CacheNodeStatus, CacheStatus, DiffusionDeploymentSpec
+from dlo_operator.api import (
+    GROUP,
+    Accelerator,
+    CacheNodeStatus,
+    CacheStatus,
+    DiffusionDeploymentSpec,
+)
 from dlo_operator.workerconfig import worker_config
 from dlo_worker.config import to_flags
 
@@ -106,7 +112,7 @@ def eligible_nodes(spec: DiffusionDeploymentSpec, nodes: list[ObservedNode]) -> 
             for node in nodes
             if node.ready
             and node.schedulable
-            and node.gpus >= spec.gpus_per_node
+            and (spec.accelerator == Accelerator.NONE or node.gpus >= spec.gpus_per_node)
             and all(node.labels.get(key) == value for key, value in selector.items())
         ),
         key=lambda node: node.name,

@@ -11,7 +11,7 @@ from decimal import Decimal
 
 from kubernetes.utils import parse_quantity
 
-from dlo_operator.api import DiffusionDeploymentSpec
+from dlo_operator.api import Accelerator, DiffusionDeploymentSpec
 from dlo_worker.config import ConfigError, WorkerConfig, build_config, execution_errors
 
 RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
@@ -54,7 +54,7 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
                 "model": {
                     "model": model_path(spec),
                     "dtype": spec.dtype,
-                    "device": "cuda",
+                    "device": "cuda" if spec.accelerator == Accelerator.NVIDIA_GPU else "cpu",
                     "quantization": spec.quantization,
                 },
                 "parallel": {
@@ -93,6 +93,11 @@ def memory_floor_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
 def validate(spec: DiffusionDeploymentSpec) -> WorkerConfig:
     """Everything the API server cannot check; returns the worker configuration."""
     config = worker_config(spec)
+    if spec.accelerator == Accelerator.NONE and spec.offload.runtime_cache.pin_limit_gib > 0:
+        raise InvalidSpecError(
+            "offload.runtimeCache.pinLimitGiB registers host memory with the GPU driver, and "
+            "accelerator none has no GPU: set pinLimitGiB to 0 or use accelerator nvidia-gpu"
+        )
     if spec.resources.memory is not None:
         limit, floor = parse_quantity(spec.resources.memory), memory_floor_bytes(spec)
         if limit < floor:

@@ -17,6 +17,7 @@ def test_defaults_are_applied_by_the_api_server(api_client, crd, namespace) -> N
     assert spec["offload"]["runtimeCache"]["hostPath"] == "/var/cache/dlo-worker"
     assert spec["model"]["mountPath"] == "/models/model"
     assert spec["lockedMemory"] == "None"
+    assert spec["accelerator"] == "nvidia-gpu"
 
 
 def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
@@ -39,6 +40,7 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         ({"replicas": -1}, "spec.replicas"),
         ({"shmSize": "lots"}, "spec.shmSize"),
         ({"quantization": "int3"}, "spec.quantization"),
+        ({"accelerator": "tpu"}, "spec.accelerator"),
     ],
     ids=[
         "world-size",
@@ -48,6 +50,7 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         "replicas",
         "shm",
         "quantization",
+        "accelerator",
     ],
 )
 def test_invalid_specs_are_refused_by_the_api_server(

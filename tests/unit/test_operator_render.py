@@ -20,7 +20,7 @@ from dlo_operator.render import (
     spec_hash,
     worker_arguments,
 )
-from dlo_operator.workerconfig import worker_config
+from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
 from dlo_worker.cli import build_parser, config_from_args
 from dlo_worker.cli import main as worker_main
 from tests.support.deployments import deployment_spec
@@ -95,6 +95,7 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         spec(model={"imagePath": "/opt/model"}, dtype="bfloat16"),
         spec(offload={"useAllGather": False, "gpuMemoryBudgetGiB": 40}),
         spec(offload={"allGatherShardBuffers": 2}),
+        spec(accelerator="none", gpusPerNode=2),
     ):
         arguments = worker_arguments(variant)
         served = build_parser().parse_args(arguments)
@@ -345,3 +346,28 @@ def test_the_api_key_comes_from_the_secret_as_an_environment_variable() -> None:
     (variable,) = [item for item in container(pod)["env"] if item["name"] == "DLO_API_KEY"]
     assert variable["valueFrom"] == {"secretKeyRef": {"name": "flux-api", "key": "api-key"}}
     assert not any("api" in argument for argument in container(pod)["command"])
+
+
+def test_a_cpu_engine_requests_no_gpu_and_runs_its_ranks_on_the_cpu() -> None:
+    variant = spec(accelerator="none", gpusPerNode=2)
+    pods = render_engine_pods(OWNER, variant, engine=0)
+    assert len(pods) == 2  # data 4 over 2 ranks per Pod
+    for pod in pods:
+        resources = container(pod)["resources"]
+        assert "nvidia.com/gpu" not in resources["requests"]
+        assert "nvidia.com/gpu" not in resources["limits"]
+        assert resources["requests"]["cpu"] == "8"  # 2 ranks x 4 CPUs
+        assert env(pod)["NPROC_PER_NODE"] == "2"
+    arguments = worker_arguments(variant)
+    assert arguments[arguments.index("--device") + 1] == "cpu"
+    gpu_arguments = worker_arguments(spec())
+    assert gpu_arguments[gpu_arguments.index("--device") + 1] == "cuda"
+
+
+def test_a_cpu_engine_cannot_ask_for_gpu_host_registration() -> None:
+    variant = spec(
+        accelerator="none",
+        offload={"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 4}},
+    )
+    with pytest.raises(InvalidSpecError, match="accelerator none has no GPU"):
+        validate(variant)

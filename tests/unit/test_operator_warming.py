@@ -45,6 +45,11 @@ def test_eligible_nodes_are_ready_schedulable_selected_and_hold_the_gpus() -> No
     assert [node.name for node in eligible_nodes(spec(), NODES)] == ["gpu-a", "gpu-b"]
 
 
+def test_cpu_engines_warm_on_every_selected_node_gpus_or_not() -> None:
+    eligible = eligible_nodes(spec(accelerator="none", gpusPerNode=1), NODES)
+    assert [node.name for node in eligible] == ["cpu-f", "gpu-a", "gpu-b"]
+
+
 def test_a_warm_job_runs_cache_warm_with_the_engines_flags_on_its_node_without_gpus() -> None:
     job = render_warm_job(OWNER, spec(), "gpu-a")
     pod = job["spec"]["template"]["spec"]
