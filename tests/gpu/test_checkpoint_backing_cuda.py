@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from dlo_worker.config import HostBacking
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
-from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
 from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
@@ -26,20 +26,7 @@ VARIANTS = ("single", "sharded", "fused")
 
 @pytest.fixture(scope="module")
 def variants(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cuda-variants")
-    single = checkpoints.to_bfloat16(checkpoints.copy_pipeline(demo_model_dir, root / "single"))
-    return {
-        "single": single,
-        "sharded": checkpoints.shard(checkpoints.copy_pipeline(single, root / "sharded")),
-        "fused": checkpoints.fuse_qkv(checkpoints.copy_pipeline(single, root / "fused")),
-    }
-
-
-def run_worker(config) -> tuple[list[torch.Tensor], Worker]:
-    with Worker(config) as worker:
-        outputs = transformer_outputs(worker.pipeline.transformer)
-        worker.stats = worker.backend.stats() if worker.backend else None
-    return outputs, worker
+    return checkpoints.bfloat16_variants(demo_model_dir, tmp_path_factory.mktemp("cuda-variants"))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
-from tests.support.checkpoints import transformer_outputs, worker_config
+from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
 from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
@@ -42,13 +42,6 @@ def variants(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "fused": checkpoints.fuse_qkv(copy(demo_model_dir, root / "fused")),
         "mixed": checkpoints.add_foreign_tensor(copy(demo_model_dir, root / "mixed")),
     }
-
-
-def run_worker(config) -> tuple[list[torch.Tensor], Worker]:
-    with Worker(config) as worker:
-        outputs = transformer_outputs(worker.pipeline.transformer)
-        worker.stats = worker.backend.stats() if worker.backend else None
-    return outputs, worker
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dlo_worker.config import WorkerConfig, build_config
 from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
+from dlo_worker.worker import Worker
 
 FORWARDS = 3
 QKV = re.compile(r"^(?P<attention>.+)\.to_q\.(?P<kind>weight|bias)$")
@@ -119,3 +120,23 @@ def to_bfloat16(pipeline_dir: Path) -> Path:
     state = transformer_state(pipeline_dir)
     write_single(pipeline_dir, {key: value.to(torch.bfloat16) for key, value in state.items()})
     return pipeline_dir
+
+
+def bfloat16_variants(pipeline_dir: Path, root: Path) -> dict[str, Path]:
+    """The pipeline in bfloat16 (the CUDA runtime dtype) as single-file, sharded and
+    fused-QKV checkpoints under ``root``."""
+    single = to_bfloat16(copy_pipeline(pipeline_dir, root / "single"))
+    return {
+        "single": single,
+        "sharded": shard(copy_pipeline(single, root / "sharded")),
+        "fused": fuse_qkv(copy_pipeline(single, root / "fused")),
+    }
+
+
+def run_worker(config: WorkerConfig) -> tuple[list[torch.Tensor], Worker]:
+    """The transformer's outputs through a real Worker; ``worker.stats`` holds the DLO
+    backend's stats taken before shutdown (None without DLO)."""
+    with Worker(config) as worker:
+        outputs = transformer_outputs(worker.pipeline.transformer)
+        worker.stats = worker.backend.stats() if worker.backend else None
+    return outputs, worker

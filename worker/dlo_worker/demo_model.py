@@ -77,6 +77,23 @@ def _seeded(seed: int) -> Iterator[None]:
         torch.random.set_rng_state(generator_state)
 
 
+def _demo_vae(
+    latent_channels: int, block_out_channels: tuple[int, ...], **options: object
+) -> AutoencoderKL:
+    """A small AutoencoderKL with one layer per level (both demos use this layout)."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * len(block_out_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(block_out_channels),
+        block_out_channels=block_out_channels,
+        layers_per_block=1,
+        norm_num_groups=32,
+        **options,
+    )
+
+
 def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> DiTPipeline:
     """Construct the class-conditional demo pipeline in memory, deterministically from
     ``seed``."""
@@ -93,15 +110,9 @@ def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> D
             num_embeds_ada_norm=shape.num_classes,
             norm_num_groups=32,
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=shape.latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * len(shape.vae_block_out_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(shape.vae_block_out_channels),
-            block_out_channels=shape.vae_block_out_channels,
-            layers_per_block=1,
-            norm_num_groups=32,
+        vae = _demo_vae(
+            shape.latent_channels,
+            shape.vae_block_out_channels,
             sample_size=shape.latent_size * 2 ** (len(shape.vae_block_out_channels) - 1),
         )
     scheduler = DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear")
@@ -206,15 +217,10 @@ def build_demo_flux_pipeline(seed: int = 0, shape: DemoFluxShape | None = None) 
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=shape.latent_channels,
-            down_block_types=("DownEncoderBlock2D",) * len(shape.vae_block_out_channels),
-            up_block_types=("UpDecoderBlock2D",) * len(shape.vae_block_out_channels),
-            block_out_channels=shape.vae_block_out_channels,
-            layers_per_block=1,
-            norm_num_groups=32,
+        # Flux's VAE has no quant convs and shifts and scales its latents.
+        vae = _demo_vae(
+            shape.latent_channels,
+            shape.vae_block_out_channels,
             use_quant_conv=False,
             use_post_quant_conv=False,
             shift_factor=0.0609,
