@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dlo_worker.config import HostBacking
+from dlo_worker.offload import OffloadConfig
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
@@ -42,7 +43,7 @@ def test_rank_local_staging_on_cuda_is_bitwise_equal(variant, variants, resident
     assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
     stats = worker.stats
     assert stats.host_bytes == 0
-    assert stats.staging_bytes == 2 * stats.largest_block_bytes
+    assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
     assert stats.on_demand_loads == 0  # the staging ring prefetches like the pinned one
 
 

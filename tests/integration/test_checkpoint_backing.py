@@ -22,7 +22,7 @@ from dlo_worker.config import HostBacking
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.host_weight_plan import HostWeightPlanError
-from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend
+from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
@@ -70,7 +70,7 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
     assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
     assert stats.host_backing == "checkpoint-mmap"
     assert stats.host_bytes == 0  # no private copy of the blocks
-    assert stats.staging_bytes == 2 * stats.largest_block_bytes
+    assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
     assert stats.pack_gbps > 0
     assert stats.host_registration == "off"
     if variant == "fused":

@@ -16,6 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dlo_worker.offload import registration
+from dlo_worker.offload.block import MappedPiece, coalesce
+from dlo_worker.offload.layout import layout_of, streamed_parameters
 from dlo_worker.offload.registration import (
     HostRange,
     PlatformRegistrationError,
@@ -107,6 +109,31 @@ def test_private_file_mappings_are_read_through_a_shared_mapping(
         mapping = mapping_of(view, after)
         assert mapping.shared
         assert mapping.path == mapping_of(original, private).path
+
+
+def test_a_registered_checkpoint_block_is_one_copy_per_file(tmp_path: Path) -> None:
+    """safetensors writes tensors sorted by name and the layout packs a block by name, so
+    the shared views of a block's tensors (one storage per file) coalesce into one copy
+    whenever tensor sizes keep the alignment."""
+    block = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 128)
+    )
+    path = tmp_path / "block.safetensors"
+    save_file(dict(block.state_dict()), str(path))
+    named = streamed_parameters(block)
+    (layout,) = layout_of(named).by_dtype.values()
+    translator = SharedFileViews()
+    with safe_open(str(path), framework="pt") as handle:
+        private = read_mappings()
+        pieces = []
+        for span in layout.spans:
+            view = handle.get_tensor(span.name)
+            shared = translator.view_of(view, mapping_of(view, private)).reshape(-1)
+            pieces.append(MappedPiece(span.offset, span.numel, shared))
+    (copy,) = coalesce(pieces)
+    assert (copy.offset, copy.numel) == (0, layout.numel)
+    expected = torch.cat([parameter.detach().reshape(-1) for _, parameter in named])
+    assert torch.equal(copy.source, expected)
 
 
 def test_registration_hands_back_the_shared_views(mapped_views: list[torch.Tensor]) -> None:

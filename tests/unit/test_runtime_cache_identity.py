@@ -6,7 +6,12 @@ import dataclasses
 
 import pytest
 
-from dlo_worker.runtime_cache.identity import CacheIdentity, IdentityGuards, canonical_config
+from dlo_worker.runtime_cache.identity import (
+    FORMAT_VERSION,
+    CacheIdentity,
+    IdentityGuards,
+    canonical_config,
+)
 
 GUARDS = IdentityGuards(
     dit_class="FluxTransformer2DModel",
@@ -38,7 +43,7 @@ def test_the_key_is_stable_and_names_a_directory() -> None:
         {"dit_class": "ChromaTransformer2DModel"},
         {"adapters": ("fused-qkv",)},
         {"block_paths": ("transformer_blocks",)},
-        {"format_version": 2},
+        {"format_version": FORMAT_VERSION + 1},
     ],
     ids=lambda change: next(iter(change)),
 )

@@ -300,8 +300,9 @@ class DistributedLayerwiseOffloadBackend:
                 id(dit.module): [by_module[id(m)] for _, m in dit.blocks if id(m) in by_module]
                 for dit in plan.dits
             },
-            # The two slots hold the next two blocks; the shard buffers the ones after.
-            lookahead=shard_buffers + 2 if shard_buffers else 0,
+            # The two slots hold the next two blocks; the shard buffers or the staging
+            # buffers the ones after.
+            lookahead=max(shard_buffers + 1, self.config.staging_buffers),
         )
         self._packer = Packer(self.config.pack_threads)
         self._fill_host()
@@ -315,7 +316,11 @@ class DistributedLayerwiseOffloadBackend:
         if mapped and self._registered is None:
             staged = slot_capacity([b.layout for b in mapped], 1)
             self._staging = HostStaging(
-                staged, self._packer, self._counters, page_lock=self.device.type == "cuda"
+                staged,
+                self._packer,
+                self._counters,
+                page_lock=self.device.type == "cuda",
+                depth=self.config.staging_buffers,
             )
         self._slots = SlotPair(
             self.device,
@@ -340,7 +345,7 @@ class DistributedLayerwiseOffloadBackend:
         self._hooks.install(self._blocks, {id(dit.module): dit.module for dit in plan.dits})
         first = self._schedule.first()
         if first.successor is not None:
-            self._slots.load(first.successor, 0, then=first.then)
+            self._slots.load(first.successor, 0, upcoming=first.following)
             self._slots.last_used = 1
         self._plan = plan
 
@@ -378,9 +383,14 @@ class DistributedLayerwiseOffloadBackend:
             except RegistrationRefusedError as error:
                 refused = error
             else:
-                # Copy from the registered (shared-mapping) views of the same bytes.
+                # Copy from the registered (shared-mapping) views of the same bytes; views
+                # of one file share a storage, so neighbours in file and layout coalesce.
                 for (pieces, index), view in zip(places, registered.views, strict=True):
                     pieces[index] = pieces[index]._replace(source=view.reshape(-1))
+                for block in blocks:
+                    block.mapped = {
+                        dtype: coalesce(pieces) for dtype, pieces in block.mapped.items()
+                    }
                 self._registration = "registered"
                 return registered
         self._registration = refused.reason

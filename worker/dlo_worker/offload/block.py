@@ -98,10 +98,10 @@ class HostSource(Protocol):
         block: StreamedBlock,
         slot_index: int,
         event: torch.cuda.Event | None,
-        then: StreamedBlock | None,
+        upcoming: tuple[StreamedBlock, ...],
     ) -> None:
         """The copies out of ``copies`` were enqueued (``event`` marks its end on CUDA);
-        ``then`` is the block expected after ``block``."""
+        ``upcoming`` are the blocks expected after ``block``, nearest first."""
         ...
 
 

@@ -44,6 +44,10 @@ class OffloadConfig:
     """Device buffers for this rank's shards (AllGather; each the largest block / group
     size): shards are copied up to this many blocks before their gather, so blocks whose
     copies outlast their compute borrow time from blocks whose compute outlasts theirs."""
+    staging_buffers: int = 3
+    """Page-locked staging buffers for checkpoint-backed blocks that are not registered
+    (each the largest such block): packs run up to this many blocks ahead of the copies,
+    so a pack that runs slow for one block does not leave the copy engine idle."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
     host_registration_budget_bytes: int = 0
@@ -64,6 +68,8 @@ class OffloadConfig:
                 "host_registration_budget_bytes must be >= 0, got "
                 f"{self.host_registration_budget_bytes}"
             )
+        if self.staging_buffers < 2:
+            raise ValueError(f"staging_buffers must be >= 2, got {self.staging_buffers}")
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
         resident = self.resident_layers or self.gpu_memory_budget_bytes is not None

@@ -24,6 +24,23 @@ DEVICE_ATTR_HOST_REGISTER_READ_ONLY = 113
 """``cudaDevAttrHostRegisterReadOnlySupported``."""
 
 
+MEMORY_TYPE_HOST = 1
+"""``cudaMemoryTypeHost``: page-locked or registered host memory."""
+
+
+class _PointerAttributes(ctypes.Structure):
+    """``cudaPointerAttributes`` (CUDA 11 and later), with room for the fields later
+    releases append (the runtime writes the whole structure of its own version)."""
+
+    _fields_ = (
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),
+    )
+
+
 def _loaded_cudart() -> ctypes.CDLL:
     """The CUDA runtime library this process already uses (torch loaded it), so the error
     state cleared here is torch's own."""
@@ -49,6 +66,10 @@ class CudaHostRegistrar:
         self._cudart.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self._cudart.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         self._cudart.cudaGetErrorString.restype = ctypes.c_char_p
+        self._cudart.cudaPointerGetAttributes.argtypes = [
+            ctypes.POINTER(_PointerAttributes),
+            ctypes.c_void_p,
+        ]
         self._cudart.cudaDeviceGetAttribute.argtypes = [
             ctypes.POINTER(ctypes.c_int),
             ctypes.c_int,
@@ -81,7 +102,18 @@ class CudaHostRegistrar:
             raise PlatformRegistrationError(self._clear(status))
 
     def is_pinned(self, view: torch.Tensor) -> bool:
-        return view.is_pinned()
+        """Whether the driver sees the view's first and last byte as page-locked host memory
+        (``Tensor.is_pinned`` asks about the start of the view's storage, which for a view
+        into a whole mapped file is the file's first page, never registered)."""
+        attributes = _PointerAttributes()
+        for address in (view.data_ptr(), view.data_ptr() + max(view.nbytes, 1) - 1):
+            status = self._cudart.cudaPointerGetAttributes(ctypes.byref(attributes), address)
+            if status != 0:
+                self._clear(status)
+                return False
+            if attributes.type != MEMORY_TYPE_HOST:
+                return False
+        return True
 
     def _clear(self, status: int) -> str:
         """The error's name and text, after clearing the runtime's sticky last error."""

@@ -91,7 +91,7 @@ class BlockHooks:
         first, slots = prediction.successor, self._slots
         if first is None or slots.index_of(first) is not None or self._slot_in_use:
             return
-        slots.load(first, 1 - slots.last_used, then=prediction.then)
+        slots.load(first, 1 - slots.last_used, upcoming=prediction.following)
 
     def before_block(self, block: StreamedBlock) -> None:
         slots, counters = self._slots, self._slots.counters
@@ -101,13 +101,13 @@ class BlockHooks:
         if slot_index is None:
             # Not prefetched: load into the slot the previous block did not use.
             slot_index = 1 - slots.last_used
-            slots.load(block, slot_index, then=prediction.successor)
+            slots.load(block, slot_index, upcoming=(prediction.successor, *prediction.following))
             counters.on_demand_loads += 1
         successor, other = prediction.successor, 1 - slot_index
         if successor not in (None, block) and slots.slots[other].block is not successor:
-            slots.load(successor, other, then=prediction.then)
-        if slots.shards > 1:
-            slots.stage_ahead(prediction.ahead)
+            slots.load(successor, other, upcoming=prediction.following)
+        if slots.shards > 1 and successor is not None:
+            slots.stage_ahead((successor, *prediction.following))
         slots.wait_ready(slot_index)
         if not slots.on_cuda:
             # Synchronous copies are fully exposed on the CPU.
@@ -135,4 +135,4 @@ class BlockHooks:
             and slots.index_of(following) is None
             and slots.slots[1 - slot_index].block is prediction.successor
         ):
-            slots.load(following, slot_index, then=prediction.later)
+            slots.load(following, slot_index, upcoming=prediction.following[1:])

@@ -108,13 +108,20 @@ def streamed_parameters(
 ) -> list[tuple[str, nn.Parameter]]:
     """A block's parameters that stream, in the order its layout packs them (``excluded``:
     ids of parameters that stay resident, e.g. an embedder the DiT also calls directly).
-    The runtime cache packs its entries with the same order, so a cached block is the
-    device slot's image."""
-    return [
-        (name, parameter)
-        for name, parameter in block.named_parameters(remove_duplicate=True)
-        if id(parameter) not in excluded
-    ]
+
+    The order is by name: safetensors writes a file's tensors sorted by name (per dtype),
+    so a block of a checkpoint sits in its file in layout order, and the copies of a
+    registered checkpoint coalesce into a few long ones (whenever tensor sizes keep the
+    alignment, as every Flux tensor does). The runtime cache packs its entries in the
+    same order, so a cached block is the device slot's image."""
+    return sorted(
+        (
+            (name, parameter)
+            for name, parameter in block.named_parameters(remove_duplicate=True)
+            if id(parameter) not in excluded
+        ),
+        key=lambda item: item[0],
+    )
 
 
 def layout_of(named: list[tuple[str, torch.Tensor]]) -> BlockLayout:

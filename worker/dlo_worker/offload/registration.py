@@ -119,13 +119,15 @@ class SharedFileViews:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[str, mmap.mmap] = {}
+        self._files: dict[str, torch.Tensor] = {}
+        """Each shared mapping as one byte tensor (the tensor keeps the mapping alive): the
+        views of a file share its storage, so copies of neighbouring tensors coalesce."""
 
     def view_of(self, view: torch.Tensor, mapping: Mapping) -> torch.Tensor:
         if mapping.shared:
             return view
-        shared = self._maps.get(mapping.path)
-        if shared is None:
+        file = self._files.get(mapping.path)
+        if file is None:
             try:
                 with open(mapping.path, "rb") as handle:
                     shared = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -133,12 +135,11 @@ class SharedFileViews:
                 raise RegistrationRefusedError(
                     "not-mapped", f"cannot map {mapping.path} shared: {error.strerror}"
                 ) from None
-            self._maps[mapping.path] = shared
+            with warnings.catch_warnings():  # read-only by design: nothing writes these views
+                warnings.simplefilter("ignore", UserWarning)
+                file = self._files[mapping.path] = torch.frombuffer(shared, dtype=torch.uint8)
         offset = mapping.offset + view.data_ptr() - mapping.start
-        with warnings.catch_warnings():  # read-only by design: nothing writes these views
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(shared, dtype=torch.uint8, count=view.nbytes, offset=offset)
-        return flat.view(view.dtype).view(view.shape)
+        return file[offset : offset + view.nbytes].view(view.dtype).view(view.shape)
 
 
 def page_ranges(extents: Iterable[ViewExtent], page: int = PAGE_BYTES) -> list[HostRange]:

@@ -10,9 +10,11 @@ recording replaces it at the end of that forward, so from the next forward on ev
 is prefetched again (``relearned`` counts these changes; a model whose order is fixed
 relearns at most once). A slot is refilled as soon as the block in it is released: with
 resident blocks in between, the next streamed block's copy overlaps their compute too.
-With AllGather, the shards of the next ``lookahead`` blocks are copied early (``ahead``):
-blocks whose copies outlast their compute (Flux's double-stream blocks over two GPUs)
-then borrow copy time from blocks whose compute outlasts their copies.
+Each prediction also lists the ``lookahead`` blocks after the successor (``following``):
+with AllGather their shards are copied early, so blocks whose copies outlast their
+compute (Flux's double-stream blocks over two GPUs) borrow copy time from blocks whose
+compute outlasts their copies; a staged host source packs them into its free staging
+buffers.
 
 A block that runs outside any DiT forward (a module used on its own) is loaded on demand
 and nothing is prefetched after it.
@@ -45,13 +47,14 @@ class Prediction:
 
     successor: StreamedBlock | None = None
     """Prefetch this into the other slot now."""
-    then: StreamedBlock | None = None
-    """The block after ``successor``: loaded as soon as the current block's slot is released
-    (so its copy also overlaps any resident blocks in between)."""
-    later: StreamedBlock | None = None
-    """The block after ``then`` (a staged host source starts packing it)."""
-    ahead: tuple[StreamedBlock, ...] = ()
-    """The next ``lookahead`` blocks, nearest first (AllGather copies their shards early)."""
+    following: tuple[StreamedBlock, ...] = ()
+    """The blocks expected after ``successor``, nearest first. The first is loaded as soon
+    as the current block's slot is released (so its copy also overlaps any resident blocks
+    in between); the rest are copied (AllGather shards) or packed (staging) early."""
+
+    @property
+    def then(self) -> StreamedBlock | None:
+        return self.following[0] if self.following else None
 
 
 @dataclass
@@ -60,14 +63,14 @@ class Schedule:
 
     orders: dict[int, ExecutionOrder]
     """By ``id`` of the DiT module."""
-    lookahead: int = 0
-    """How many upcoming blocks each prediction lists in ``ahead``."""
+    lookahead: int = 1
+    """How many blocks after the successor each prediction lists in ``following``."""
     relearned: int = 0
     _active: ExecutionOrder | None = field(default=None, repr=False)
 
     @classmethod
     def in_attribute_order(
-        cls, dits: dict[int, list[StreamedBlock]], *, lookahead: int = 0
+        cls, dits: dict[int, list[StreamedBlock]], *, lookahead: int = 1
     ) -> Schedule:
         return cls(
             {key: ExecutionOrder(list(blocks)) for key, blocks in dits.items() if blocks},
@@ -78,8 +81,7 @@ class Schedule:
         """The block to prime before the first forward (the first DiT's first block)."""
         if not self.orders:
             return Prediction()
-        order = next(iter(self.orders.values()))
-        return Prediction(order.blocks[0], order.after(0, 1))
+        return self._from(next(iter(self.orders.values())), -1)
 
     def forward_started(self, dit_key: int) -> Prediction:
         """Start recording; returns the DiT's first block (to load now if it is not
@@ -89,7 +91,7 @@ class Schedule:
             return Prediction()
         order.cursor, order.recording = 0, []
         self._active = order
-        return Prediction(order.blocks[0], order.after(0, 1))
+        return self._from(order, -1)
 
     def forward_finished(self, dit_key: int) -> Prediction:
         """Adopt the recorded order if it differs; returns the first block of the next
@@ -103,7 +105,7 @@ class Schedule:
         order.recording = None
         if self._active is order:
             self._active = None
-        return Prediction(order.blocks[0], order.after(0, 1))
+        return self._from(order, -1)
 
     def block_started(self, block: StreamedBlock) -> Prediction:
         """Record ``block`` and predict what follows it."""
@@ -115,11 +117,13 @@ class Schedule:
         if position is None:
             return Prediction()
         order.cursor = position + 1
+        return self._from(order, position)
+
+    def _from(self, order: ExecutionOrder, position: int) -> Prediction:
+        """The blocks after ``position`` (-1: before the first block)."""
         return Prediction(
             order.after(position, 1),
-            order.after(position, 2),
-            order.after(position, 3),
-            tuple(order.after(position, step) for step in range(1, self.lookahead + 1)),
+            tuple(order.after(position, step) for step in range(2, self.lookahead + 2)),
         )
 
     @staticmethod

@@ -153,19 +153,19 @@ class SlotPair:
         return None
 
     def load(
-        self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None = None
+        self, block: StreamedBlock, slot_index: int, upcoming: tuple[StreamedBlock, ...] = ()
     ) -> None:
-        """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA); ``then``
-        is the block expected after it (a staged source starts packing it once this copy
-        is enqueued). The schedule decides both."""
+        """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA);
+        ``upcoming`` are the blocks expected after it, nearest first (a staged source
+        starts packing them once this copy is enqueued). The schedule decides both."""
         self.slots[slot_index].block = block
         self.counters.blocks_loaded += 1
         if self.shards > 1:
             self._gather(block, slot_index)
         elif self.on_cuda:
-            self._load_cuda(block, slot_index, then)
+            self._load_cuda(block, slot_index, upcoming)
         else:
-            self._load_synchronously(block, slot_index, then)
+            self._load_synchronously(block, slot_index, upcoming)
 
     def _copy_host_to_device(
         self, copies: list[HostCopy], targets: dict[torch.dtype, torch.Tensor]
@@ -175,22 +175,24 @@ class SlotPair:
             self.counters.h2d_bytes += source.nbytes
 
     def _load_synchronously(
-        self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None
+        self, block: StreamedBlock, slot_index: int, upcoming: tuple[StreamedBlock, ...]
     ) -> None:
         copies = block.source.copies(block, slot_index)
         started = time.perf_counter()
         self._copy_host_to_device(copies, self.slots[slot_index].buffers)
         self.counters.h2d_seconds += time.perf_counter() - started
-        block.source.copied(block, slot_index, None, then)
+        block.source.copied(block, slot_index, None, upcoming)
 
-    def _load_cuda(self, block: StreamedBlock, slot_index: int, then: StreamedBlock | None) -> None:
+    def _load_cuda(
+        self, block: StreamedBlock, slot_index: int, upcoming: tuple[StreamedBlock, ...]
+    ) -> None:
         slot = self.slots[slot_index]
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
         copies = block.source.copies(block, slot_index)
         # The copy lands in the slot itself: wait until compute released it.
         self.copy_stream.wait_event(slot.released)
         copy_finished = self._timed_copy(copies, slot.buffers)
-        block.source.copied(block, slot_index, copy_finished, then)
+        block.source.copied(block, slot_index, copy_finished, upcoming)
         slot.ready.record(self.copy_stream)
 
     def _timed_copy(

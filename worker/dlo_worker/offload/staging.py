@@ -1,4 +1,4 @@
-"""Packing blocks from mapped checkpoint views, and the two bounded pinned staging slots.
+"""Packing blocks from mapped checkpoint views, and the ring of pinned staging buffers.
 
 A checkpoint-backed block has no flat host copy: its parameters are immutable views
 of the mapped files (shared by every process on the node through the page cache).
@@ -7,11 +7,13 @@ zeroed gaps, into a page-locked staging buffer. Packing is a host memcpy: it run
 a small thread pool (``torch`` copies release the GIL) in chunks, so the pack rate is
 bounded by memory bandwidth rather than by Python.
 
-:class:`HostStaging` owns two staging buffers, paired with the two device slots.
-Loading a block into device slot ``s`` waits for its pack into staging ``s``, copies
-it, and immediately starts packing the block's successor into staging ``1 - s``
-(after that buffer's previous copy finished), so packing runs two blocks ahead of
-compute and the copy one block ahead.
+:class:`HostStaging` owns a ring of ``depth`` staging buffers (at least two), used in
+order. Loading a block waits for its pack, copies it out of its buffer, and starts
+packing the blocks expected next into the free buffers; a buffer is free once the copy
+out of it was enqueued, and each pack into it first waits for that copy to finish. Packs
+therefore run up to ``depth - 1`` blocks ahead of the copies: the pack and the copy read
+and write the same host memory at similar rates, and the extra buffer absorbs a block
+whose pack runs slow instead of leaving the copy engine idle.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -100,8 +103,21 @@ def wait_all(futures: list[Future[tuple[float, float]]]) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans) if spans else 0.0
 
 
+@dataclass(eq=False)
+class StagingBuffer:
+    """One page-locked buffer per dtype and the block packed (or being packed) into it."""
+
+    tensors: dict[torch.dtype, torch.Tensor]
+    block: StreamedBlock | None = None
+    """The block packed here and not copied out yet; ``None`` when the buffer is free."""
+    packing: list[Future[tuple[float, float]]] = field(default_factory=list)
+    """The pack's chunks, until a load waits for them."""
+    copied: torch.cuda.Event | None = None
+    """The end of the last copy out of the buffer (the next pack waits for it)."""
+
+
 class HostStaging:
-    """Two page-locked staging buffers per dtype, one per device slot; see the module doc."""
+    """The ring of page-locked staging buffers; see the module doc."""
 
     def __init__(
         self,
@@ -110,21 +126,22 @@ class HostStaging:
         counters: TransferCounters,
         *,
         page_lock: bool,
+        depth: int = 3,
     ) -> None:
+        if depth < 2:
+            raise ValueError(f"staging needs at least two buffers, got {depth}")
         self._arena = HostArena(
-            {dtype: 2 * numel for dtype, numel in capacity.items()}, page_lock=page_lock
+            {dtype: depth * numel for dtype, numel in capacity.items()}, page_lock=page_lock
         )
-        self.buffers = tuple(
-            {dtype: self._arena.take(dtype, numel) for dtype, numel in capacity.items()}
-            for _ in range(2)
-        )
+        self.buffers = [
+            StagingBuffer(
+                {dtype: self._arena.take(dtype, numel) for dtype, numel in capacity.items()}
+            )
+            for _ in range(depth)
+        ]
+        self._next = 0
         self._packer = packer
         self._counters = counters
-        self._pending: list[tuple[StreamedBlock, list[Future[tuple[float, float]]]] | None] = [
-            None,
-            None,
-        ]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
 
     @property
     def nbytes(self) -> int:
@@ -134,61 +151,79 @@ class HostStaging:
     def page_locked(self) -> bool:
         return self._arena.page_locked
 
-    def prefetch(self, block: StreamedBlock, index: int) -> None:
-        """Start packing ``block`` into staging ``index`` (after its previous copy is done)."""
-        pending = self._pending[index]
-        if pending is not None and pending[0] is block:
-            return
-        self._finish(index)
-        copied = self._copied[index]
-        futures: list[Future[tuple[float, float]]] = []
+    def holding(self, block: StreamedBlock) -> StagingBuffer | None:
+        return next((buffer for buffer in self.buffers if buffer.block is block), None)
+
+    def prefetch(self, block: StreamedBlock, *, evict: bool = False) -> StagingBuffer | None:
+        """Start packing ``block`` into the next buffer of the ring (after the copy out of
+        it finished). Returns the buffer (also when ``block`` is already there), or ``None``
+        when the next buffer still holds a packed block not copied yet and ``evict`` is
+        false. With ``evict`` (a load that cannot wait) that block is dropped; it is packed
+        again when it is loaded."""
+        held = self.holding(block)
+        if held is not None:
+            return held
+        buffer = self.buffers[self._next]
+        if buffer.block is not None:
+            if not evict:
+                return None
+            self._finish(buffer)
+            buffer.block = None
+        self._next = (self._next + 1) % len(self.buffers)
+        copied = buffer.copied
+        before = copied.synchronize if copied is not None else None
         for dtype, pieces in block.mapped.items():
             numel = block.layout.by_dtype[dtype].numel
-            target = self.buffers[index][dtype][:numel]
-            before = copied.synchronize if copied is not None else None
-            futures += self._packer.pack(pieces, 0, numel, target, before)
-        self._pending[index] = (block, futures)
+            target = buffer.tensors[dtype][:numel]
+            buffer.packing += self._packer.pack(pieces, 0, numel, target, before)
+        buffer.block = block
+        return buffer
 
-    def packed(self, block: StreamedBlock, index: int) -> dict[torch.dtype, torch.Tensor]:
-        """Staging ``index`` holding ``block`` packed: waits for (or runs) its pack."""
-        self.prefetch(block, index)
+    def copies(self, block: StreamedBlock, _slot_index: int) -> list[HostCopy]:
+        """:class:`~dlo_worker.offload.block.HostSource`: the block packed into staging
+        (waits for, or runs, its pack)."""
+        buffer = self.prefetch(block, evict=True)
         waited = time.perf_counter()
-        self._finish(index)
+        self._finish(buffer)
         self._counters.pack_wait_seconds += time.perf_counter() - waited
-        return {
-            dtype: self.buffers[index][dtype][: layout.numel]
-            for dtype, layout in block.layout.by_dtype.items()
-        }
-
-    def copies(self, block: StreamedBlock, slot_index: int) -> list[HostCopy]:
-        """:class:`~dlo_worker.offload.block.HostSource`: the block packed into staging."""
-        return whole_buffers(self.packed(block, slot_index))
+        return whole_buffers(
+            {
+                dtype: buffer.tensors[dtype][: layout.numel]
+                for dtype, layout in block.layout.by_dtype.items()
+            }
+        )
 
     def copied(
         self,
         block: StreamedBlock,
-        slot_index: int,
+        _slot_index: int,
         event: torch.cuda.Event | None,
-        then: StreamedBlock | None,
+        upcoming: tuple[StreamedBlock, ...],
     ) -> None:
-        """The copy out of staging ``slot_index`` was enqueued (``event`` marks its end):
-        start packing ``then`` into the other buffer once its previous copy is done."""
-        self._copied[slot_index] = event
-        if then is not None and then is not block and then.source is self:
-            self.prefetch(then, 1 - slot_index)
+        """The copy out of ``block``'s buffer was enqueued (``event`` marks its end): the
+        buffer is free for the next pack, and the next blocks start packing into the free
+        buffers."""
+        buffer = self.holding(block)
+        if buffer is not None:
+            buffer.copied = event
+            buffer.block = None
+        for later in upcoming[: len(self.buffers) - 1]:
+            if later is block or later.source is not self:
+                continue
+            if self.prefetch(later) is None:
+                return
 
-    def _finish(self, index: int) -> None:
-        """Wait for staging ``index``'s pending pack and count it."""
-        pending = self._pending[index]
-        if pending is None:
+    def _finish(self, buffer: StagingBuffer) -> None:
+        """Wait for the buffer's pending pack and count it."""
+        if not buffer.packing:
             return
-        block, futures = pending
-        self._pending[index] = None
+        futures, buffer.packing = buffer.packing, []
         self._counters.pack_seconds += wait_all(futures)
-        self._counters.pack_bytes += block.layout.nbytes
+        self._counters.pack_bytes += buffer.block.layout.nbytes
 
     def close(self) -> None:
         """Finish outstanding packs and drop the buffers (the caller synchronized copies)."""
-        for index in range(2):
-            self._finish(index)
+        for buffer in self.buffers:
+            self._finish(buffer)
+            buffer.block = None
         self._arena.close()

@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bumped whenever the files or the manifest change shape: old entries then miss."""
 
 
