@@ -10,7 +10,14 @@ sharded safetensors checkpoint, then run four ways, rank-local:
   packed by ``--pack-threads`` threads through two pinned staging buffers;
 - DLO, registered checkpoint mmap: the mapping registered read-only with the driver and
   copied directly (``--dlo-runtime-cache-pin-limit-gib``); registration is timed with
-  the checkpoint in the page cache and after evicting it (cold file).
+  the checkpoint in the page cache and after evicting it (cold file);
+- DLO, runtime-cache entry (``--cache-entry``): the entry built from the loaded model,
+  then registered (timed cold and warm, with the memory cgroup's usage and the process's
+  pinned pages before and after) and, with registration off, staged (one copy per block
+  into staging, no per-tensor packing).
+
+Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
+of the copies).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of ANCHORS.md (30-34 GB/s).
@@ -65,7 +72,11 @@ def write_checkpoint(model: torch.nn.Module, directory: Path) -> float:
 
 
 def checkpoint_backed(
-    directory: Path, device: torch.device, pack_threads: int, registration_bytes: int = 0
+    directory: Path,
+    device: torch.device,
+    pack_threads: int,
+    registration_bytes: int = 0,
+    staging_buffers: int = 3,
 ):
     """The skeleton and backend the worker would build from this directory."""
     from diffusers import FluxTransformer2DModel
@@ -93,11 +104,121 @@ def checkpoint_backed(
             use_allgather=False,
             pack_threads=pack_threads,
             host_registration_budget_bytes=registration_bytes,
+            staging_buffers=staging_buffers,
         ),
         device,
         plan,
     )
     return prepared.module, backend
+
+
+def cgroup_memory_bytes() -> int | None:
+    """This process's memory cgroup usage (v2 ``memory.current`` or v1 usage), if readable."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.current"
+        elif "memory" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.usage_in_bytes"
+        else:
+            continue
+        for file in (candidate, candidate.parent.parent / candidate.name):
+            if file.exists():
+                return int(file.read_text())
+    return None
+
+
+def pinned_kib() -> int:
+    """``VmPin`` of this process: pages pinned by the kernel (e.g. registered ranges)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmPin:"):
+            return int(line.split()[1])
+    return 0
+
+
+def memory_delta(before: tuple[int | None, int], after: tuple[int | None, int]) -> dict:
+    cgroup = None if None in (before[0], after[0]) else (after[0] - before[0]) / 2**30
+    return {"cgroup_delta_gib": cgroup, "vm_pin_delta_gib": (after[1] - before[1]) / 2**20}
+
+
+def evict_files(paths) -> None:
+    """Drop the files' clean pages from the page cache (a cold file), without root."""
+    for path in paths:
+        with open(path, "rb") as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def cache_entry_runs(
+    directory: Path, device: torch.device, inputs: dict, args, report: dict
+) -> None:
+    """Build the runtime-cache entry of the model, then stream it registered (cold and
+    warm page cache) and staged, each from a fresh meta skeleton bound to the entry."""
+    from diffusers import FluxTransformer2DModel
+
+    from dlo_worker.loader.diffusers_loader import _bind_to_entry, _skeleton
+    from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
+    from dlo_worker.runtime_cache import CacheRequest, attach_runtime_cache
+    from dlo_worker.runtime_cache.entry import RuntimeCacheEntry, read_manifest
+
+    model = build_flux(device).to("cpu")
+    release(device)
+    started = time.perf_counter()
+    entry, built = attach_runtime_cache(
+        CacheRequest(directory / "cache", 600.0), [("model", model)]
+    )
+    if entry is None:
+        raise SystemExit(f"the runtime cache fell back: {built.reason}")
+    report["cache_entry"] = {"build_s": time.perf_counter() - started, "gib": built.bytes / 2**30}
+    entry_dir = entry.directory
+    entry.close()
+    del model, entry
+    gc.collect()
+    runs = [("registered", "cold"), ("registered", "warm")]
+    runs += [("staged", depth) for depth in args.staging_buffers]
+    for mode, detail in runs:
+        if detail == "cold":
+            evict_files(entry_dir.iterdir())
+        memory_before = (cgroup_memory_bytes(), pinned_kib())
+        started = time.perf_counter()
+        entry = RuntimeCacheEntry(entry_dir, read_manifest(entry_dir, built.key), lambda: None)
+        skeleton = _bind_to_entry(
+            _skeleton(FluxTransformer2DModel, directory, torch.bfloat16), entry, "model"
+        )
+        backend = DistributedLayerwiseOffloadBackend(
+            OffloadConfig(
+                use_allgather=False,
+                host_registration_budget_bytes=2**40 if mode == "registered" else 0,
+                staging_buffers=detail if mode == "staged" else 3,
+            ),
+            device,
+            entry,
+        )
+        backend.enable(skeleton)
+        stats = backend.stats()
+        name = f"entry_{mode}_{detail}"
+        report[name] = {
+            "setup_s": time.perf_counter() - started,
+            "registration": stats.host_registration,
+            "registered_gib": stats.registered_bytes / 2**30,
+            **memory_delta(memory_before, (cgroup_memory_bytes(), pinned_kib())),
+        }
+        if detail != "cold":
+            for resolution in args.resolutions:
+                release(device)
+                row = report["results"][resolution]
+                seconds = step_seconds(skeleton, inputs[resolution], args.repeats)
+                row[f"{name}_s"] = seconds
+                row[f"{name}_over_pinned"] = seconds / row["pinned_s"]
+            stats = backend.stats()
+            report[name] |= {
+                "achieved_h2d_gbps": stats.h2d_gbps,
+                "pack_gbps": stats.pack_gbps,
+                "staging_gib": stats.staging_bytes / 2**30,
+            }
+        backend.disable()
+        del skeleton, backend, entry
+        gc.collect()
+        release(device)
 
 
 def pack_rates(directory: Path, threads: list[int], blocks: int = 6) -> dict[int, float]:
@@ -128,18 +249,12 @@ def pack_rates(directory: Path, threads: list[int], blocks: int = 6) -> dict[int
     return rates
 
 
-def evict_page_cache(directory: Path) -> None:
-    """Drop the checkpoint's clean pages from the page cache (a cold file), without root."""
-    for path in directory.glob("*.safetensors"):
-        with path.open("rb") as handle:
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 def registered_runs(directory: Path, device: torch.device, inputs: dict, args, report) -> None:
     """The registered checkpoint path: registration time (cold file, then warm) and steps."""
     for cache in ("cold", "warm") if args.cold else ("warm",):
         if cache == "cold":
-            evict_page_cache(directory)
+            evict_files(directory.glob("*.safetensors"))
+        memory_before = (cgroup_memory_bytes(), pinned_kib())
         started = time.perf_counter()
         skeleton, backend = checkpoint_backed(directory, device, 1, registration_bytes=2**40)
         backend.enable(skeleton)
@@ -148,6 +263,7 @@ def registered_runs(directory: Path, device: torch.device, inputs: dict, args, r
             "setup_s": time.perf_counter() - started,
             "registration": stats.host_registration,
             "registered_gib": stats.registered_bytes / 2**30,
+            **memory_delta(memory_before, (cgroup_memory_bytes(), pinned_kib())),
         }
         if cache == "warm":
             for resolution in args.resolutions:
@@ -167,21 +283,22 @@ def staging_runs(
     directory: Path, device: torch.device, inputs: dict, args, report: dict, *, bound_s: float
 ) -> None:
     """The checkpoint-mmap staging path for each ``--pack-threads``."""
-    for threads in args.pack_threads:
+    for threads, depth in [(t, d) for t in args.pack_threads for d in args.staging_buffers]:
         started = time.perf_counter()
-        skeleton, backend = checkpoint_backed(directory, device, threads)
+        skeleton, backend = checkpoint_backed(directory, device, threads, staging_buffers=depth)
         backend.enable(skeleton)
         setup_s = time.perf_counter() - started
+        run = f"{threads}t_{depth}b"
         for resolution in args.resolutions:
             release(device)
             row = report["results"][resolution]
             staged_s = step_seconds(skeleton, inputs[resolution], args.repeats)
             limit = max(row["resident_s"], bound_s)
-            row[f"staging_s_{threads}t"] = staged_s
-            row[f"staging_over_pinned_{threads}t"] = staged_s / row["pinned_s"]
-            row[f"staging_over_limit_{threads}t"] = staged_s / limit
+            row[f"staging_{run}_s"] = staged_s
+            row[f"staging_{run}_over_pinned"] = staged_s / row["pinned_s"]
+            row[f"staging_{run}_over_limit"] = staged_s / limit
         stats = backend.stats()
-        report[f"staging_{threads}t"] = {
+        report[f"staging_{run}"] = {
             "setup_s": setup_s,
             "pack_gbps": stats.pack_gbps,
             "pack_wait_s": stats.pack_wait_seconds,
@@ -196,32 +313,29 @@ def staging_runs(
         release(device)
 
 
-def print_report(report: dict, pack_threads: list[int]) -> None:
+def print_report(report: dict) -> None:
     for threads, rate in report["pack_gbps_by_threads"].items():
         print(
             f"pack {threads:>2} thread(s): {rate:6.1f} GB/s = {rate / ANCHOR_PACK_GBPS[1]:.2f}x "
             f"the one-thread anchor's top ({ANCHOR_PACK_GBPS[1]} GB/s)"
         )
     for resolution, row in report["results"].items():
-        for threads in [t for t in pack_threads if f"staging_s_{t}t" in row]:
-            print(
-                f"{resolution}: pinned {row['pinned_s']:.3f} s, staging ({threads} threads) "
-                f"{row[f'staging_s_{threads}t']:.3f} s = "
-                f"{row[f'staging_over_pinned_{threads}t']:.3f}x pinned, "
-                f"{row[f'staging_over_limit_{threads}t']:.3f}x limit "
-                f"(resident {row['resident_s']:.3f} s, bound {row['transfer_bound_s']:.3f} s)"
+        print(
+            f"{resolution}: resident {row['resident_s']:.3f} s, bound "
+            f"{row['transfer_bound_s']:.3f} s, pinned {row['pinned_s']:.3f} s"
+        )
+        for key in sorted(k for k in row if k.endswith("_over_pinned")):
+            name = key.removesuffix("_over_pinned")
+            print(f"{resolution}: {name} {row[f'{name}_s']:.3f} s = {row[key]:.3f}x pinned")
+    for name, run in report.items():
+        if isinstance(run, dict) and "setup_s" in run:
+            details = ", ".join(
+                f"{key} {value:.2f}" if isinstance(value, float) else f"{key} {value}"
+                for key, value in run.items()
             )
-        if "registered_s" in row:
-            print(
-                f"{resolution}: registered {row['registered_s']:.3f} s = "
-                f"{row['registered_over_pinned']:.3f}x pinned"
-            )
-    for cache in ("cold", "warm"):
-        if (run := report.get(f"registered_{cache}")) is not None:
-            print(
-                f"registration, {cache} page cache: {run['registered_gib']:.2f} GiB, setup "
-                f"{run['setup_s']:.1f} s ({run['registration']})"
-            )
+            print(f"{name}: {details}")
+    if (entry := report.get("cache_entry")) is not None:
+        print(f"cache entry: {entry['gib']:.2f} GiB built in {entry['build_s']:.1f} s")
 
 
 def main() -> None:
@@ -229,12 +343,17 @@ def main() -> None:
     parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pack-threads", type=int, nargs="+", default=[8])
+    parser.add_argument("--staging-buffers", type=int, nargs="+", default=[3])
     parser.add_argument("--json", type=Path)
     parser.add_argument(
-        "--skip-staging", action="store_true", help="Only the pinned and registered paths."
+        "--skip-staging", action="store_true", help="Skip the checkpoint staging runs."
     )
+    parser.add_argument("--skip-pack-rates", action="store_true")
     parser.add_argument(
         "--cold", action="store_true", help="Also time registration after evicting the file."
+    )
+    parser.add_argument(
+        "--cache-entry", action="store_true", help="Also stream a runtime-cache entry."
     )
     args = parser.parse_args()
     from dlo_worker.offload import enable_dlo
@@ -272,12 +391,14 @@ def main() -> None:
         release(device)
 
         registered_runs(directory, device, inputs, args, report)
+        if args.cache_entry:
+            cache_entry_runs(directory, device, inputs, args, report)
         report["pack_gbps_by_threads"] = (
-            {} if args.skip_staging else pack_rates(directory, sorted({1, 2, 4, 8, 16}))
+            {} if args.skip_pack_rates else pack_rates(directory, sorted({1, 2, 4, 8, 16}))
         )
         if not args.skip_staging:
             staging_runs(directory, device, inputs, args, report, bound_s=bound_s)
-    print_report(report, args.pack_threads)
+    print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 
