@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dlo_worker.offload import OffloadStats, enable_dlo
+from dlo_worker.offload.layout import BlockLayout, slot_capacity
 from tests.support.tiny_models import BUILDERS
 
 FORWARDS = 3
@@ -20,6 +21,7 @@ class EquivalenceResult:
     offloaded: list[torch.Tensor]
     stats: OffloadStats
     block_bytes: list[int]
+    layouts: list[BlockLayout]
 
     @property
     def bitwise_equal(self) -> bool:
@@ -57,10 +59,11 @@ def run_equivalence(
         with torch.inference_mode():
             offloaded = [_output(case.model(**inputs)).cpu() for _ in range(forwards)]
         stats = backend.stats()
-        block_bytes = [layout.nbytes for layout in backend.block_layouts()]
+        layouts = backend.block_layouts()
+        block_bytes = [layout.nbytes for layout in layouts]
     finally:
         backend.disable()
-    return EquivalenceResult(resident, offloaded, stats, block_bytes)
+    return EquivalenceResult(resident, offloaded, stats, block_bytes, layouts)
 
 
 RANK_LOCAL_CASES: dict[str, tuple[str, dict[str, int]]] = {
@@ -117,7 +120,10 @@ def check_shard_ring_rank(device: torch.device, depth: int, blocks: int = 7) -> 
     )
     assert result.bitwise_equal, f"{depth} shard buffers: rank {dist.get_rank()} differs"
     assert result.stats.on_demand_loads == 0
-    assert result.stats.device_slot_bytes == (2 + depth / world_size) * max(result.block_bytes)
+    # Each slot holds the largest block padded to a multiple of the group; a shard is 1/N.
+    padded = slot_capacity(result.layouts, world_size)
+    shard_bytes = sum(numel // world_size * dtype.itemsize for dtype, numel in padded.items())
+    assert result.stats.device_slot_bytes == (2 * world_size + depth) * shard_bytes
 
 
 def _output(output: object) -> torch.Tensor:
