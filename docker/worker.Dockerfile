@@ -1,12 +1,16 @@
 # The worker image. PyPI's torch wheels carry their CUDA libraries; the node provides the
 # driver (NVIDIA container toolkit). Build from the repository root:
 #   docker build -f docker/worker.Dockerfile -t dlo-worker .
-FROM python:3.11-slim
+# BASE_IMAGE: any Debian-based image with Python 3.11 and pip on PATH (the local test
+# cluster builds one with debootstrap; see tests/cluster/images.py).
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 WORKDIR /opt/diffusion-dlo
 COPY pyproject.toml README.md ./
 COPY worker ./worker
 COPY operator ./operator
-RUN pip install --no-cache-dir ".[worker]" && rm -rf /root/.cache
+# The pip cache mount keeps downloaded wheels between builds, outside the image.
+RUN --mount=type=cache,target=/root/.cache/pip pip install ".[worker]"
 # A non-root user (the operator renders runAsUser 65532 and mounts an emptyDir on $HOME,
 # since the root filesystem is read-only in its Pods).
 RUN groupadd --gid 65532 dlo \

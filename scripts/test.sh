@@ -10,6 +10,12 @@ ruff check .
 ruff format --check .
 echo "==> control-plane binaries (built once from Go modules, then cached)"
 python -m tests.cluster build
+echo "==> worker and operator images (buildah on a debootstrapped base; rebuilt when their sources change)"
+if [ "$(id -u)" = 0 ] || python -c "import sys; from tests.cluster.images import missing_host_tools; sys.exit(bool(missing_host_tools()))"; then
+  python -m tests.cluster images
+else
+  echo "    skipped: building images needs root or buildah, debootstrap and runc installed"
+fi
 echo "==> pytest"
 # pytest exits 5 when nothing was collected, which fails this script too.
 pytest "$@"

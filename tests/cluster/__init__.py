@@ -1,6 +1,7 @@
 """A real local Kubernetes control plane for the operator's tests and for trying it by hand.
 
 python -m tests.cluster build   # build the binaries into the cache (idempotent)
+python -m tests.cluster images  # build the worker and operator images (buildah; cached)
 python -m tests.cluster up      # start it; prints the kubeconfig path
 python -m tests.cluster down    # stop it; leaves no process behind
 """

@@ -1,4 +1,4 @@
-"""``python -m tests.cluster {build,up,down}``; see the package docstring."""
+"""``python -m tests.cluster {build,images,up,down}``; see the package docstring."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tests.cluster.build import Builder, BuildError
 from tests.cluster.control_plane import ClusterError, default_directory, down, up
+from tests.cluster.images import ImageBuilder
 
 
 def _progress(line: str) -> None:
@@ -16,7 +17,7 @@ def _progress(line: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cluster", description=__doc__)
-    parser.add_argument("command", choices=["build", "up", "down"])
+    parser.add_argument("command", choices=["build", "images", "up", "down"])
     parser.add_argument(
         "--dir", type=Path, default=None, help=f"cluster directory (default: {default_directory()})"
     )
@@ -26,6 +27,9 @@ def main() -> int:
     try:
         if args.command == "build":
             print(Builder(progress=_progress).ensure())
+        elif args.command == "images":
+            for image in ImageBuilder(progress=_progress).ensure().values():
+                print(f"{image.reference} {image.archive}")
         elif args.command == "up":
             state = up(
                 args.dir, nodes=args.nodes, gpus_per_node=args.gpus_per_node, progress=_progress

@@ -1,0 +1,110 @@
+"""The worker and operator images, built for real from docker/*.Dockerfile with buildah on
+a locally made Debian base, run what the operator renders: as user 65532, with their
+entrypoints, and the worker image generates the same bytes as ``dlo-worker`` on the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.images import BuiltImage, ImageBuilder, missing_host_tools
+
+WORKER_UID = 65532
+
+
+@pytest.fixture(scope="session")
+def images() -> dict[str, BuiltImage]:
+    missing = missing_host_tools()
+    if missing and os.geteuid() != 0:
+        pytest.skip(f"building images needs root or these packages installed: {missing}")
+    return ImageBuilder(progress=lambda line: print(line, file=sys.stderr)).ensure()
+
+
+@pytest.fixture
+def container(images: dict[str, BuiltImage], request) -> Iterator[str]:
+    """A working container of the image named by the test's parameter."""
+    name = request.param
+    created = subprocess.run(
+        ["buildah", "from", images[name].reference], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    yield created
+    subprocess.run(["buildah", "rm", created], capture_output=True, check=False)
+
+
+def image_config(reference: str) -> dict:
+    inspected = subprocess.run(
+        ["buildah", "inspect", "--type", "image", reference],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(inspected)["OCIv1"]["config"]
+
+
+def run_in(container: str, *command: str, volume: Path | None = None) -> str:
+    mount = ["--volume", f"{volume}:/data"] if volume is not None else []
+    result = subprocess.run(
+        ["buildah", "run", *mount, container, "--", *command],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_each_image_runs_as_the_user_the_operator_renders(images) -> None:
+    worker = image_config(images["worker"].reference)
+    operator = image_config(images["operator"].reference)
+    assert worker["User"] == operator["User"] == f"{WORKER_UID}:{WORKER_UID}"
+    assert worker["Entrypoint"] == ["dlo-worker", "serve"]
+    assert operator["Entrypoint"] == ["dlo-operator"]
+    assert "HOME=/home/dlo" in worker["Env"]
+
+
+@pytest.mark.parametrize("container", ["operator"], indirect=True)
+def test_the_operator_image_starts_its_entrypoint(container: str) -> None:
+    assert run_in(container, "id", "-u").strip() == str(WORKER_UID)
+    assert "--namespace" in run_in(container, "dlo-operator", "--help")
+
+
+@pytest.mark.parametrize("container", ["worker"], indirect=True)
+def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Path) -> None:
+    """The image's torch and diffusers produce the same PNG as the host's for the demo."""
+    tmp_path.chmod(0o777)  # the image's user writes here
+    arguments = ["--device", "cpu", "--steps", "4", "--seed", "0", "--class-label", "207"]
+    run_in(container, "dlo-worker", "demo-model", "/data/model", volume=tmp_path)
+    run_in(
+        container,
+        "dlo-worker",
+        "generate",
+        "--model",
+        "/data/model",
+        *arguments,
+        "--out",
+        "/data/image.png",
+        volume=tmp_path,
+    )
+    host = subprocess.run(
+        [
+            "dlo-worker",
+            "generate",
+            "--model",
+            str(tmp_path / "model"),
+            *arguments,
+            "--out",
+            str(tmp_path / "host.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert host.returncode == 0, host.stderr
+    assert (tmp_path / "image.png").read_bytes() == (tmp_path / "host.png").read_bytes()
