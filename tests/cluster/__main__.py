@@ -23,6 +23,12 @@ def main() -> int:
     )
     parser.add_argument("--nodes", type=int, default=3, help="fake GPU nodes (default: 3)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument(
+        "--real-nodes",
+        type=int,
+        default=0,
+        help="real nodes (containerd + kubelet on this machine; root; default: 0)",
+    )
     args = parser.parse_args()
     try:
         if args.command == "build":
@@ -32,7 +38,11 @@ def main() -> int:
                 print(f"{image.reference} {image.archive}")
         elif args.command == "up":
             state = up(
-                args.dir, nodes=args.nodes, gpus_per_node=args.gpus_per_node, progress=_progress
+                args.dir,
+                nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                real_nodes=args.real_nodes,
+                progress=_progress,
             )
             print(state.kubeconfig)
         else:

@@ -30,6 +30,8 @@ from pathlib import Path
 VERSIONS_FILE = Path(__file__).with_name("versions.json")
 RECIPE_REVISION = "1"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+NODE_BINARIES = ("kubelet",)
+"""Built only when real nodes are asked for (``up --real-nodes``)."""
 
 Progress = Callable[[str], None]
 
@@ -168,8 +170,8 @@ class Builder:
         self.bin = self.root / "bin"
         self.env = _go_env()
 
-    def missing(self) -> list[str]:
-        wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm", "kube-score")
+    def missing(self, extra: tuple[str, ...] = ()) -> list[str]:
+        wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm", "kube-score", *extra)
         missing = [name for name in wanted if not (self.bin / name).is_file()]
         if "kube-score" not in missing and self._stamp("kube-score") != self.versions.kube_score:
             missing.append("kube-score")
@@ -179,16 +181,17 @@ class Builder:
         stamp = self.bin / f".{name}.version"
         return stamp.read_text().strip() if stamp.is_file() else ""
 
-    def ensure(self) -> Path:
-        """Build every missing binary (idempotent); returns the bin directory."""
-        if not self.missing():
+    def ensure(self, extra: tuple[str, ...] = ()) -> Path:
+        """Build every missing binary (idempotent), with ``extra`` ones such as
+        :data:`NODE_BINARIES`; returns the bin directory."""
+        if not self.missing(extra):
             return self.bin
         if shutil.which("go") is None:
             raise BuildError("the go command is not on PATH; install Go >= 1.24")
         self.bin.mkdir(parents=True, exist_ok=True)
         with (self.root / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            missing = self.missing()
+            missing = self.missing(extra)
             for index, name in enumerate(missing, 1):
                 started = time.monotonic()
                 self.progress(f"[{index}/{len(missing)}] building {name} ...")
@@ -208,7 +211,7 @@ class Builder:
 
     def _build(self, name: str) -> None:
         v = self.versions
-        if name in KUBERNETES_BINARIES:
+        if name in KUBERNETES_BINARIES or name in NODE_BINARIES:
             scratch = self.root / "src"
             scratch.mkdir(parents=True, exist_ok=True)
             replaces = staging_replaces(

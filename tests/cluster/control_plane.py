@@ -19,11 +19,12 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tests.cluster import nodes
 from tests.cluster import pki as pki_module
-from tests.cluster.build import Builder, cache_root
+from tests.cluster.build import NODE_BINARIES, Builder, cache_root
 from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
@@ -52,6 +53,8 @@ class ClusterState:
     kubeconfig: str
     server: str
     components: list[Component]
+    real_nodes: list[dict] = field(default_factory=list)
+    """The :class:`~tests.cluster.nodes.NodePlan` of each real node (``down`` cleans them)."""
 
     @classmethod
     def load(cls, directory: Path) -> ClusterState | None:
@@ -134,12 +137,13 @@ class _Launcher:
         self.bin = bin_dir
         self.components: list[Component] = []
 
-    def start(self, name: str, arguments: list[str]) -> Path:
+    def start(self, name: str, arguments: list[str], executable: str | None = None) -> Path:
+        """Start ``name`` (from the bin directory, or ``executable``) in its own session."""
         log = self.directory / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as stream:
             process = subprocess.Popen(
-                [str(self.bin / name), *arguments],
+                [executable or str(self.bin / name.split("@", maxsplit=1)[0]), *arguments],
                 stdout=stream,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -158,9 +162,11 @@ def up(
     *,
     nodes: int = 3,
     gpus_per_node: int = 8,
+    real_nodes: int = 0,
     progress: Progress = print,
 ) -> ClusterState:
-    """Start the control plane (or return the one already running in ``directory``)."""
+    """Start the control plane (or return the one already running in ``directory``), with
+    ``nodes`` fake GPU nodes and ``real_nodes`` real ones (:mod:`tests.cluster.nodes`)."""
     directory = (directory or default_directory()).resolve()
     existing = ClusterState.load(directory)
     if existing and all(is_running(component) for component in existing.components):
@@ -168,7 +174,7 @@ def up(
         return existing
     if existing:
         down(directory, progress=progress)
-    bin_dir = Builder(progress=progress).ensure()
+    bin_dir = Builder(progress=progress).ensure(NODE_BINARIES if real_nodes else ())
     for stale in ("etcd-data", "pki"):
         shutil.rmtree(directory / stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
@@ -177,8 +183,12 @@ def up(
     try:
         state = _start_components(directory, pki, launcher, progress)
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
+        if real_nodes:
+            _start_real_nodes(state, launcher, real_nodes, progress)
     except BaseException:
-        ClusterState(str(directory), "", "", launcher.components).save()
+        partial = ClusterState.load(directory) or ClusterState(str(directory), "", "", [])
+        partial.components = launcher.components
+        partial.save()
         down(directory, progress=progress)
         raise
     return state
@@ -252,6 +262,9 @@ def _start_components(
             str(directory / "pki"),
             "--profiling=false",
             "--allow-privileged=true",
+            # Real nodes are named, not resolvable: logs and exec go to their address.
+            "--kubelet-preferred-address-types",
+            "InternalIP,Hostname",
         ],
     )
     context = ssl.create_default_context(cafile=str(pki.ca_cert))
@@ -377,4 +390,71 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
         if is_running(component):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(component.pid, signal.SIGKILL)
+    for plan in state.real_nodes:
+        progress(f"cleaning real node {plan['index']}")
+        nodes.clean_node(nodes.NodePlan(**{**plan, "directory": Path(plan["directory"])}))
     (directory / STATE_FILE).unlink(missing_ok=True)
+
+
+def _start_real_nodes(
+    state: ClusterState, launcher: _Launcher, count: int, progress: Progress
+) -> None:
+    """containerd and a kubelet per node (images imported), then wait until Ready."""
+    from kubernetes import client, config
+
+    from tests.cluster.images import ImageBuilder
+
+    nodes.ensure_runtime(progress)
+    images = ImageBuilder(progress=progress).ensure()
+    directory = Path(state.directory)
+    address = nodes.host_address()
+    for index in range(count):
+        plan = nodes.NodePlan(
+            index, nodes.cluster_id(directory), directory, free_port(), free_port()
+        )
+        nodes.clean_node(plan)  # what a killed earlier run left
+        state.real_nodes.append({**asdict(plan), "directory": str(directory)})
+        state.save()
+        nodes.make_cgroup_parent(plan)
+        containerd_toml, kubelet_json = nodes.write_node_files(plan, images["pause"].reference)
+        progress(f"starting containerd for {plan.name}")
+        log = launcher.start(
+            f"containerd@{plan.name}",
+            ["--config", str(containerd_toml)],
+            executable=shutil.which("containerd"),
+        )
+        _wait(plan.socket.exists, 60, f"containerd of {plan.name}", log)
+        for image in images.values():
+            progress(f"importing {image.reference} into {plan.name}")
+            nodes.import_image(plan, image.archive)
+        progress(f"starting the kubelet of {plan.name}")
+        launcher.start(
+            f"kubelet@{plan.name}",
+            [
+                "--config",
+                str(kubelet_json),
+                "--kubeconfig",
+                state.kubeconfig,
+                "--root-dir",
+                str(plan.root / "kubelet"),
+                "--hostname-override",
+                plan.name,
+                "--node-labels",
+                "=".join(nodes.REAL_NODE_LABEL),
+                "--node-ip",
+                address,
+            ],
+        )
+        state.components = launcher.components
+        state.save()
+    api = client.CoreV1Api(config.new_client_from_config(config_file=state.kubeconfig))
+
+    def all_ready() -> bool:
+        ready = 0
+        for node in api.list_node(label_selector="=".join(nodes.REAL_NODE_LABEL)).items:
+            conditions = {c.type: c.status for c in node.status.conditions or []}
+            ready += conditions.get("Ready") == "True"
+        return ready == count
+
+    kubelet_log = Path(launcher.components[-1].log)
+    _wait(all_ready, 180, f"{count} real nodes", kubelet_log)

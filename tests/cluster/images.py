@@ -147,11 +147,18 @@ class ImageBuilder:
     def reference(self, name: str) -> str:
         return f"localhost/dlo-{name}:{image_key(name, self.repository)}"
 
+    @property
+    def pause(self) -> BuiltImage:
+        """The sandbox image of real nodes: the base image, sleeping."""
+        reference = f"localhost/dlo-pause:{base_key()}"
+        return BuiltImage("pause", reference, self.cache / base_key() / "pause.oci.tar")
+
     def ensure(self) -> dict[str, BuiltImage]:
         """Every image built and archived (idempotent); returns them by name."""
         built = {
             name: BuiltImage(name, self.reference(name), self.archive(name)) for name in IMAGES
         }
+        built["pause"] = self.pause
         if all(
             image.archive.is_file() and _image_exists(image.reference) for image in built.values()
         ):
@@ -163,7 +170,10 @@ class ImageBuilder:
             self._ensure_base()
             for image in built.values():
                 if not _image_exists(image.reference):
-                    self._build(image)
+                    if image.name == "pause":
+                        self._make_pause(image)
+                    else:
+                        self._build(image)
                 if not image.archive.is_file():
                     self._save(image)
             self._prune({self.base_reference, *(image.reference for image in built.values())})
@@ -176,13 +186,17 @@ class ImageBuilder:
             reference
             for reference in listed
             if reference.startswith(
-                ("localhost/dlo-base:", *(f"localhost/dlo-{n}:" for n in IMAGES))
+                (
+                    "localhost/dlo-base:",
+                    "localhost/dlo-pause:",
+                    *(f"localhost/dlo-{n}:" for n in IMAGES),
+                )
             )
             and reference not in keep
         ]
         if stale:
             _run(["buildah", "rmi", *stale])
-        current = {Path(self.archive(name)).parent.name for name in IMAGES}
+        current = {Path(self.archive(name)).parent.name for name in IMAGES} | {base_key()}
         for directory in self.cache.iterdir():
             if directory.is_dir() and directory.name not in current:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -239,6 +253,25 @@ class ImageBuilder:
                 subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
                 raise
         self.progress(f"base image {self.base_reference} in {time.monotonic() - started:.0f} s")
+
+    def _make_pause(self, image: BuiltImage) -> None:
+        container = _run(["buildah", "from", self.base_reference])
+        try:
+            _run(
+                [
+                    "buildah",
+                    "config",
+                    "--entrypoint",
+                    '["/bin/sleep", "infinity"]',
+                    "--cmd",
+                    "",
+                    container,
+                ]
+            )
+            _run(["buildah", "commit", "--rm", container, image.reference])
+        except BuildError:
+            subprocess.run(["buildah", "rm", container], capture_output=True, check=False)
+            raise
 
     def _build(self, image: BuiltImage) -> None:
         started = time.monotonic()

@@ -1,0 +1,296 @@
+"""Real nodes on this machine, opt-in: per node a containerd (runc, overlayfs snapshots), a
+CNI bridge with host-local addresses, and a kubelet, all as processes of the cluster.
+
+Every node gets its own containerd (a kubelet garbage-collects whatever its runtime
+shows, so two kubelets must not share one), state and socket directory, kubelet root
+directory and ports, cgroup parent (``/dlo-<cluster>-<node>`` in every cgroup v1
+controller, created here) and bridge with its own pod CIDR (``10.244.<i>.0/24``). The
+images come from :mod:`tests.cluster.images` as OCI archives, imported into each node's
+containerd, so no registry is needed; the sandbox ("pause") image is the base image
+sleeping. What this machine needs that a stock node would not:
+
+- ``restrict_oom_score_adj``: the machine's root lacks ``CAP_SYS_RESOURCE``, so runc
+  cannot lower a sandbox's OOM score to the -998 the CRI asks for;
+- runc, not crun: crun refuses cgroup v1 hierarchies while cgroup v2 holds a controller.
+
+Services (kube-proxy) and cluster DNS are not set up yet: Pods on real nodes reach each
+other by Pod IP through the host, which routes between the bridges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.cluster.build import BuildError, Progress
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+REAL_NODE_LABEL = ("dlo.dev/node", "real")
+RUNTIME_PACKAGES = {"containerd": "containerd", "ctr": "containerd"}
+CNI_PLUGINS = Path("/usr/lib/cni")
+"""Where Debian's containernetworking-plugins installs bridge, host-local, loopback."""
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Everything one real node is configured with (pure data)."""
+
+    index: int
+    cluster_id: str
+    directory: Path
+    kubelet_port: int
+    healthz_port: int
+
+    @property
+    def name(self) -> str:
+        return f"dlo-real-{self.index}"
+
+    @property
+    def pod_cidr(self) -> str:
+        return f"10.244.{self.index}.0/24"
+
+    @property
+    def bridge(self) -> str:
+        return f"dlo{self.cluster_id[:6]}br{self.index}"
+
+    @property
+    def cgroup_parent(self) -> str:
+        return f"/dlo-{self.cluster_id[:8]}-{self.index}"
+
+    @property
+    def root(self) -> Path:
+        return self.directory / "nodes" / self.name
+
+    @property
+    def run_directory(self) -> Path:
+        """containerd's state and sockets: short paths (unix sockets allow 108 bytes)."""
+        return Path("/run") / f"dlo-{self.cluster_id[:8]}" / str(self.index)
+
+    @property
+    def socket(self) -> Path:
+        return self.run_directory / "containerd.sock"
+
+
+def cluster_id(directory: Path) -> str:
+    return hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:12]
+
+
+def containerd_config(plan: NodePlan, sandbox_image: str) -> str:
+    """containerd's TOML (version 2 schema, containerd 1.6)."""
+    cri = 'plugins."io.containerd.grpc.v1.cri"'
+    return "\n".join(
+        [
+            "version = 2",
+            f'root = "{plan.root / "containerd"}"',
+            f'state = "{plan.run_directory / "state"}"',
+            "[grpc]",
+            f'  address = "{plan.socket}"',
+            "[debug]",
+            '  level = "warn"',
+            f"[{cri}]",
+            f'  sandbox_image = "{sandbox_image}"',
+            "  restrict_oom_score_adj = true",
+            f"[{cri}.containerd]",
+            '  snapshotter = "overlayfs"',
+            f"[{cri}.containerd.runtimes.runc]",
+            '  runtime_type = "io.containerd.runc.v2"',
+            f"[{cri}.containerd.runtimes.runc.options]",
+            "  SystemdCgroup = false",
+            f"[{cri}.cni]",
+            f'  bin_dir = "{CNI_PLUGINS}"',
+            f'  conf_dir = "{plan.root / "cni"}"',
+            "",
+        ]
+    )
+
+
+def cni_config(plan: NodePlan) -> dict:
+    """A bridge with host-local addresses from the node's pod CIDR; the host routes
+    between the bridges of the nodes and masquerades traffic leaving the host."""
+    return {
+        "cniVersion": "1.0.0",
+        "name": plan.name,
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": plan.bridge,
+                "isGateway": True,
+                "ipMasq": True,
+                "hairpinMode": True,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": plan.pod_cidr}]],
+                    "routes": [{"dst": "0.0.0.0/0"}],
+                },
+            },
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+def kubelet_config(plan: NodePlan) -> dict:
+    """The KubeletConfiguration (JSON is YAML): cgroupfs under the node's own parent, no
+    eviction on this shared disk, anonymous read access for the API server's log calls."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "cgroupDriver": "cgroupfs",
+        "cgroupRoot": plan.cgroup_parent,
+        "failSwapOn": False,
+        "port": plan.kubelet_port,
+        "readOnlyPort": 0,
+        "healthzPort": plan.healthz_port,
+        "healthzBindAddress": "127.0.0.1",
+        "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "clusterDomain": "cluster.local",
+        "podCIDR": plan.pod_cidr,
+        "evictionHard": {
+            "memory.available": "100Mi",
+            "nodefs.available": "1%",
+            "imagefs.available": "1%",
+        },
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+        "containerRuntimeEndpoint": f"unix://{plan.socket}",
+    }
+
+
+def host_address() -> str:
+    """The address other hosts (and this host's bridges) reach this machine at."""
+    route = subprocess.run(
+        ["ip", "-4", "-o", "route", "get", "1.1.1.1"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    if "src" in route:
+        return route[route.index("src") + 1]
+    addresses = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True)
+    return addresses.stdout.split()[0]
+
+
+def missing_runtime() -> list[str]:
+    missing = {
+        package for command, package in RUNTIME_PACKAGES.items() if not shutil.which(command)
+    }
+    if not (CNI_PLUGINS / "bridge").is_file():
+        missing.add("containernetworking-plugins")
+    return sorted(missing)
+
+
+def ensure_runtime(progress: Progress) -> None:
+    missing = missing_runtime()
+    if not missing:
+        return
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise BuildError(f"real nodes need root and these packages: {', '.join(missing)}")
+    progress(f"installing {', '.join(missing)} from the package mirror ...")
+    for command in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+    ):
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise BuildError(f"`{' '.join(command)}` failed: {result.stderr[-2000:]}")
+
+
+def _controllers() -> list[Path]:
+    """Every cgroup v1 hierarchy (the kubelet checks its parent exists in each)."""
+    return [
+        path
+        for path in CGROUP_ROOT.iterdir()
+        if path.is_dir() and path.name != "unified" and (path / "cgroup.procs").exists()
+    ]
+
+
+def make_cgroup_parent(plan: NodePlan) -> None:
+    for controller in _controllers():
+        parent = controller / plan.cgroup_parent.lstrip("/")
+        parent.mkdir(exist_ok=True)
+        if controller.name == "cpuset":
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                (parent / name).write_text((controller / name).read_text())
+
+
+def _cgroup_processes(plan: NodePlan) -> set[int]:
+    pids: set[int] = set()
+    for controller in _controllers():
+        parent = controller / plan.cgroup_parent.lstrip("/")
+        if parent.is_dir():
+            for procs in parent.rglob("cgroup.procs"):
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(line) for line in procs.read_text().split())
+    return pids
+
+
+def _shims(plan: NodePlan) -> set[int]:
+    """containerd shims of this node (they outlive containerd, in containerd's cgroup)."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                if str(plan.socket).encode() in (proc / "cmdline").read_bytes():
+                    pids.add(int(proc.name))
+    return pids
+
+
+def clean_node(plan: NodePlan) -> None:
+    """After kubelet and containerd stopped: kill the node's containers and shims, unmount
+    what they left, remove its cgroups and bridge. Idempotent."""
+    for _ in range(20):
+        pids = _cgroup_processes(plan) | _shims(plan)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    mounts = [
+        line.split()[1]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1].startswith((str(plan.root), str(plan.run_directory)))
+    ]
+    for mount in reversed(mounts):
+        subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+    for controller in _controllers():
+        parent = controller / plan.cgroup_parent.lstrip("/")
+        if parent.is_dir():
+            for child in sorted(
+                (p for p in parent.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)
+            ):
+                with contextlib.suppress(OSError):
+                    child.rmdir()
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+    subprocess.run(["ip", "link", "delete", plan.bridge], capture_output=True, check=False)
+    shutil.rmtree(plan.run_directory, ignore_errors=True)
+
+
+def write_node_files(plan: NodePlan, sandbox_image: str) -> tuple[Path, Path]:
+    """containerd's and the kubelet's configuration files; returns their paths."""
+    (plan.root / "cni").mkdir(parents=True, exist_ok=True)
+    plan.run_directory.mkdir(parents=True, exist_ok=True)
+    containerd = plan.root / "containerd.toml"
+    containerd.write_text(containerd_config(plan, sandbox_image))
+    (plan.root / "cni" / "10-dlo.conflist").write_text(json.dumps(cni_config(plan), indent=2))
+    kubelet = plan.root / "kubelet.json"
+    kubelet.write_text(json.dumps(kubelet_config(plan), indent=2))
+    return containerd, kubelet
+
+
+def import_image(plan: NodePlan, archive: Path) -> None:
+    result = subprocess.run(
+        ["ctr", "--address", str(plan.socket), "-n", "k8s.io", "images", "import", str(archive)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise BuildError(f"importing {archive} into {plan.name} failed: {result.stderr[-2000:]}")

@@ -1,0 +1,166 @@
+"""Real nodes: the kubelets of ``up --real-nodes`` run Pods of the images built from
+docker/*.Dockerfile in containerd. A worker Pod, with the user the operator renders,
+generates the same PNG bytes as ``dlo-worker`` on the host; Pods on two nodes reach each
+other by Pod IP; ``down`` leaves no process, mount, cgroup or bridge behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from tests.cluster import nodes
+from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.images import ImageBuilder, missing_host_tools
+
+WORKER_UID = 65532
+GENERATE = ["--device", "cpu", "--steps", "4", "--seed", "0", "--class-label", "207"]
+
+
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    if os.geteuid() != 0:
+        pytest.skip("real nodes need root (containerd, cgroups, bridges)")
+    if missing_host_tools() and not Path("/usr/bin/apt-get").exists():
+        pytest.skip(f"real nodes need {missing_host_tools()}")
+    directory = tmp_path_factory.mktemp("real-cluster")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    state = up(directory, nodes=0, real_nodes=2, progress=progress)
+    try:
+        yield state
+    finally:
+        down(directory, progress=progress)
+        plans = [nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0) for i in (0, 1)]
+        assert not any(nodes._shims(plan) or nodes._cgroup_processes(plan) for plan in plans)
+        assert not any(
+            line.split()[1].startswith(str(directory / "nodes"))
+            for line in Path("/proc/mounts").read_text().splitlines()
+        )
+
+
+@pytest.fixture(scope="module")
+def core(real_cluster: ClusterState) -> client.CoreV1Api:
+    return client.CoreV1Api(config.new_client_from_config(config_file=real_cluster.kubeconfig))
+
+
+@pytest.fixture
+def namespace(core: client.CoreV1Api) -> Iterator[str]:
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    yield name
+    core.delete_namespace(name)
+
+
+def pod(name: str, node: str, image: str, command: list[str], **spec) -> client.V1Pod:
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name),
+        spec=client.V1PodSpec(
+            node_name=node,
+            restart_policy="Never",
+            automount_service_account_token=False,
+            containers=[
+                client.V1Container(
+                    name=name,
+                    image=image,
+                    image_pull_policy="Never",
+                    command=command,
+                    volume_mounts=spec.pop("volume_mounts", None),
+                )
+            ],
+            **spec,
+        ),
+    )
+
+
+def wait_for(value, timeout_s: float, what: str):
+    """Poll ``value()`` until it is truthy; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := value():
+            return result
+        time.sleep(1)
+    raise AssertionError(f"{what} not within {timeout_s} s")
+
+
+def finished(core: client.CoreV1Api, namespace: str, name: str, timeout_s: float) -> str:
+    def phase() -> str | None:
+        current = core.read_namespaced_pod(name, namespace).status.phase
+        return current if current in ("Succeeded", "Failed") else None
+
+    return wait_for(phase, timeout_s, f"pod {name} finished")
+
+
+def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
+    core, namespace: str, tmp_path: Path
+) -> None:
+    tmp_path.chmod(0o777)
+    worker = ImageBuilder().reference("worker")
+    script = (
+        "dlo-worker demo-model /data/model && dlo-worker generate --model /data/model "
+        + " ".join(GENERATE)
+        + " --out /data/image.png"
+    )
+    body = pod(
+        "generate",
+        "dlo-real-0",
+        worker,
+        ["sh", "-c", script],
+        security_context=client.V1PodSecurityContext(run_as_user=WORKER_UID),
+        volumes=[
+            client.V1Volume(
+                name="data", host_path=client.V1HostPathVolumeSource(path=str(tmp_path))
+            )
+        ],
+        volume_mounts=[client.V1VolumeMount(name="data", mount_path="/data")],
+    )
+    core.create_namespaced_pod(namespace, body)
+    phase = finished(core, namespace, "generate", 300)
+    assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
+    host = subprocess.run(
+        [
+            "dlo-worker",
+            "generate",
+            "--model",
+            str(tmp_path / "model"),
+            *GENERATE,
+            "--out",
+            str(tmp_path / "host.png"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert host.returncode == 0, host.stderr
+    assert (tmp_path / "image.png").read_bytes() == (tmp_path / "host.png").read_bytes()
+
+
+def test_pods_on_two_real_nodes_reach_each_other_by_pod_ip(core, namespace: str) -> None:
+    base = ImageBuilder().pause.reference  # the base image with Python
+    core.create_namespaced_pod(
+        namespace, pod("server", "dlo-real-0", base, ["python3", "-m", "http.server", "8000"])
+    )
+    address = wait_for(
+        lambda: core.read_namespaced_pod("server", namespace).status.pod_ip, 120, "server IP"
+    )
+    assert address.startswith("10.244.0.")
+    probe = (
+        "import time, urllib.request\n"
+        "for _ in range(60):\n"
+        "    try:\n"
+        f"        print(urllib.request.urlopen('http://{address}:8000/').status); break\n"
+        "    except OSError: time.sleep(1)\n"
+    )
+    core.create_namespaced_pod(
+        namespace, pod("client", "dlo-real-1", base, ["python3", "-c", probe])
+    )
+    assert finished(core, namespace, "client", 180) == "Succeeded"
+    client_pod = core.read_namespaced_pod("client", namespace)
+    assert client_pod.status.pod_ip.startswith("10.244.1.")
+    assert core.read_namespaced_pod_log("client", namespace).strip() == "200"
