@@ -3,5 +3,6 @@
 python -m tests.cluster build   # build the binaries into the cache (idempotent)
 python -m tests.cluster images  # build the worker and operator images (buildah; cached)
 python -m tests.cluster up      # start it; prints the kubeconfig path
+                                # (--real-nodes N: also N kubelets with containerd, root)
 python -m tests.cluster down    # stop it; leaves no process behind
 """

@@ -30,7 +30,7 @@ from pathlib import Path
 VERSIONS_FILE = Path(__file__).with_name("versions.json")
 RECIPE_REVISION = "1"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-NODE_BINARIES = ("kubelet",)
+NODE_BINARIES = ("kubelet", "kube-proxy")
 """Built only when real nodes are asked for (``up --real-nodes``)."""
 
 Progress = Callable[[str], None]

@@ -392,7 +392,11 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
                 os.killpg(component.pid, signal.SIGKILL)
     for plan in state.real_nodes:
         progress(f"cleaning real node {plan['index']}")
-        nodes.clean_node(nodes.NodePlan(**{**plan, "directory": Path(plan["directory"])}))
+        nodes.clean_node(
+            nodes.NodePlan(
+                **{**plan, "directory": Path(plan["directory"]), "store": Path(plan["store"])}
+            )
+        )
     (directory / STATE_FILE).unlink(missing_ok=True)
 
 
@@ -410,10 +414,17 @@ def _start_real_nodes(
     address = nodes.host_address()
     for index in range(count):
         plan = nodes.NodePlan(
-            index, nodes.cluster_id(directory), directory, free_port(), free_port()
+            index,
+            nodes.cluster_id(directory),
+            directory,
+            free_port(),
+            free_port(),
+            cache_root() / "containerd" / str(index),
         )
         nodes.clean_node(plan)  # what a killed earlier run left
-        state.real_nodes.append({**asdict(plan), "directory": str(directory)})
+        state.real_nodes.append(
+            {**asdict(plan), "directory": str(directory), "store": str(plan.store)}
+        )
         state.save()
         nodes.make_cgroup_parent(plan)
         containerd_toml, kubelet_json = nodes.write_node_files(plan, images["pause"].reference)
@@ -424,9 +435,9 @@ def _start_real_nodes(
             executable=shutil.which("containerd"),
         )
         _wait(plan.socket.exists, 60, f"containerd of {plan.name}", log)
-        for image in images.values():
-            progress(f"importing {image.reference} into {plan.name}")
-            nodes.import_image(plan, image.archive)
+        nodes.import_images(
+            plan, {image.reference: image.archive for image in images.values()}, progress
+        )
         progress(f"starting the kubelet of {plan.name}")
         launcher.start(
             f"kubelet@{plan.name}",
@@ -447,6 +458,31 @@ def _start_real_nodes(
         )
         state.components = launcher.components
         state.save()
+    progress("starting kube-proxy (iptables; one for the host the real nodes share)")
+    launcher.start(
+        "kube-proxy",
+        [
+            "--kubeconfig",
+            state.kubeconfig,
+            "--hostname-override",
+            "dlo-real-0",
+            "--proxy-mode",
+            "iptables",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            # Pods of one bridge reach a Service backed by a Pod of the same bridge through
+            # the host: masquerading makes the reply come back the same way.
+            "--masquerade-all",
+            "--conntrack-max-per-core",
+            "0",
+            "--metrics-bind-address",
+            f"127.0.0.1:{free_port()}",
+            "--healthz-bind-address",
+            f"127.0.0.1:{free_port()}",
+        ],
+    )
+    state.components = launcher.components
+    state.save()
     api = client.CoreV1Api(config.new_client_from_config(config_file=state.kubeconfig))
 
     def all_ready() -> bool:
@@ -456,5 +492,5 @@ def _start_real_nodes(
             ready += conditions.get("Ready") == "True"
         return ready == count
 
-    kubelet_log = Path(launcher.components[-1].log)
+    kubelet_log = Path(launcher.components[-2].log)
     _wait(all_ready, 180, f"{count} real nodes", kubelet_log)

@@ -48,6 +48,10 @@ class NodePlan:
     directory: Path
     kubelet_port: int
     healthz_port: int
+    store: Path
+    """containerd's root (images, snapshots): kept across clusters under the cluster cache,
+    one per node index, so a worker image of several GB is imported once and the temporary
+    directories of earlier test runs do not each hold copies."""
 
     @property
     def name(self) -> str:
@@ -89,7 +93,7 @@ def containerd_config(plan: NodePlan, sandbox_image: str) -> str:
     return "\n".join(
         [
             "version = 2",
-            f'root = "{plan.root / "containerd"}"',
+            f'root = "{plan.store}"',
             f'state = "{plan.run_directory / "state"}"',
             "[grpc]",
             f'  address = "{plan.socket}"',
@@ -255,7 +259,7 @@ def clean_node(plan: NodePlan) -> None:
     mounts = [
         line.split()[1]
         for line in Path("/proc/mounts").read_text().splitlines()
-        if line.split()[1].startswith((str(plan.root), str(plan.run_directory)))
+        if line.split()[1].startswith((str(plan.root), str(plan.run_directory), str(plan.store)))
     ]
     for mount in reversed(mounts):
         subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
@@ -285,12 +289,22 @@ def write_node_files(plan: NodePlan, sandbox_image: str) -> tuple[Path, Path]:
     return containerd, kubelet
 
 
-def import_image(plan: NodePlan, archive: Path) -> None:
-    result = subprocess.run(
-        ["ctr", "--address", str(plan.socket), "-n", "k8s.io", "images", "import", str(archive)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def _ctr(plan: NodePlan, *arguments: str) -> str:
+    command = ["ctr", "--address", str(plan.socket), "-n", "k8s.io", *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise BuildError(f"importing {archive} into {plan.name} failed: {result.stderr[-2000:]}")
+        raise BuildError(f"`{' '.join(command)}` failed: {result.stderr[-2000:]}")
+    return result.stdout
+
+
+def import_images(plan: NodePlan, images: dict[str, Path], progress: Progress) -> None:
+    """Remove every image but ``images`` (waiting for containerd to collect their content,
+    so a rebuilt worker image never sits twice on disk), then import those it lacks."""
+    present = set(_ctr(plan, "images", "ls", "-q").split())
+    stale = [reference for reference in present if reference not in images]
+    if stale:
+        _ctr(plan, "images", "rm", "--sync", *stale)
+    for reference, archive in images.items():
+        if reference not in present:
+            progress(f"importing {reference} into {plan.name}")
+            _ctr(plan, "images", "import", str(archive))

@@ -37,7 +37,10 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSt
         yield state
     finally:
         down(directory, progress=progress)
-        plans = [nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0) for i in (0, 1)]
+        plans = [
+            nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0, Path("/nonexistent"))
+            for i in (0, 1)
+        ]
         assert not any(nodes._shims(plan) or nodes._cgroup_processes(plan) for plan in plans)
         assert not any(
             line.split()[1].startswith(str(directory / "nodes"))
@@ -97,6 +100,17 @@ def finished(core: client.CoreV1Api, namespace: str, name: str, timeout_s: float
     return wait_for(phase, timeout_s, f"pod {name} finished")
 
 
+def probe_script(url: str) -> str:
+    """Python that prints the HTTP status of ``url``, retrying for up to 90 s."""
+    return (
+        "import time, urllib.request\n"
+        "for _ in range(90):\n"
+        "    try:\n"
+        f"        print(urllib.request.urlopen({url!r}).status); break\n"
+        "    except OSError: time.sleep(1)\n"
+    )
+
+
 def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     core, namespace: str, tmp_path: Path
 ) -> None:
@@ -150,13 +164,7 @@ def test_pods_on_two_real_nodes_reach_each_other_by_pod_ip(core, namespace: str)
         lambda: core.read_namespaced_pod("server", namespace).status.pod_ip, 120, "server IP"
     )
     assert address.startswith("10.244.0.")
-    probe = (
-        "import time, urllib.request\n"
-        "for _ in range(60):\n"
-        "    try:\n"
-        f"        print(urllib.request.urlopen('http://{address}:8000/').status); break\n"
-        "    except OSError: time.sleep(1)\n"
-    )
+    probe = probe_script(f"http://{address}:8000/")
     core.create_namespaced_pod(
         namespace, pod("client", "dlo-real-1", base, ["python3", "-c", probe])
     )
@@ -164,3 +172,26 @@ def test_pods_on_two_real_nodes_reach_each_other_by_pod_ip(core, namespace: str)
     client_pod = core.read_namespaced_pod("client", namespace)
     assert client_pod.status.pod_ip.startswith("10.244.1.")
     assert core.read_namespaced_pod_log("client", namespace).strip() == "200"
+
+
+def test_a_service_reaches_its_pod_on_another_real_node(core, namespace: str) -> None:
+    """kube-proxy's rules: a ClusterIP Service in front of a Pod on the other node."""
+    base = ImageBuilder().pause.reference
+    server = pod("web", "dlo-real-0", base, ["python3", "-m", "http.server", "8000"])
+    server.metadata.labels = {"app": "web"}
+    core.create_namespaced_pod(namespace, server)
+    service = core.create_namespaced_service(
+        namespace,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="web"),
+            spec=client.V1ServiceSpec(
+                selector={"app": "web"}, ports=[client.V1ServicePort(port=80, target_port=8000)]
+            ),
+        ),
+    )
+    probe = probe_script(f"http://{service.spec.cluster_ip}/")
+    core.create_namespaced_pod(
+        namespace, pod("probe", "dlo-real-1", base, ["python3", "-c", probe])
+    )
+    assert finished(core, namespace, "probe", 180) == "Succeeded"
+    assert core.read_namespaced_pod_log("probe", namespace).strip() == "200"
