@@ -39,6 +39,8 @@ HOST_PACKAGES = {"buildah": "buildah", "debootstrap": "debootstrap", "runc": "ru
 """Commands the build needs, and the Debian package of each (buildah only recommends an
 OCI runtime, and ``RUN`` steps need one)."""
 IMAGES = {"worker": "docker/worker.Dockerfile", "operator": "docker/operator.Dockerfile"}
+RUNTIME = ("--runtime", "runc")
+"""buildah prefers crun when installed, and crun refuses this machine's hybrid cgroups."""
 COPIED_SOURCES = ("pyproject.toml", "README.md", "worker", "operator")
 """What the Dockerfiles copy from the repository (their build context's inputs)."""
 
@@ -280,6 +282,7 @@ class ImageBuilder:
             [
                 "buildah",
                 "build",
+                *RUNTIME,
                 "--network",
                 "host",
                 "--build-arg",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.images import BuiltImage, ImageBuilder, missing_host_tools
+from tests.cluster.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
 
 WORKER_UID = 65532
 
@@ -50,7 +50,7 @@ def image_config(reference: str) -> dict:
 def run_in(container: str, *command: str, volume: Path | None = None) -> str:
     mount = ["--volume", f"{volume}:/data"] if volume is not None else []
     result = subprocess.run(
-        ["buildah", "run", *mount, container, "--", *command],
+        ["buildah", "run", *RUNTIME, *mount, container, "--", *command],
         capture_output=True,
         text=True,
         check=False,
