@@ -10,5 +10,9 @@ COPY worker ./worker
 COPY operator ./operator
 # The pip cache mount keeps downloaded wheels between builds, outside the image.
 RUN --mount=type=cache,target=/root/.cache/pip pip install ".[operator]"
+# The non-root user the chart runs it as, with a passwd entry: kopf names the operator
+# after its user (getpass), which fails for a uid unknown to the image.
+RUN groupadd --gid 65532 dlo \
+ && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin dlo
 USER 65532:65532
 ENTRYPOINT ["dlo-operator"]

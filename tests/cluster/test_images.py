@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
+from tests.support.generate import demo_flags, host_generate
 
 WORKER_UID = 65532
 
@@ -72,13 +73,15 @@ def test_each_image_runs_as_the_user_the_operator_renders(images) -> None:
 def test_the_operator_image_starts_its_entrypoint(container: str) -> None:
     assert run_in(container, "id", "-u").strip() == str(WORKER_UID)
     assert "--namespace" in run_in(container, "dlo-operator", "--help")
+    # kopf names the operator after its user: the uid needs a passwd entry.
+    getuser = "import getpass; print(getpass.getuser())"
+    assert run_in(container, "env", "-u", "USER", "python3", "-c", getuser).strip() == "dlo"
 
 
 @pytest.mark.parametrize("container", ["worker"], indirect=True)
 def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Path) -> None:
     """The image's torch and diffusers produce the same PNG as the host's for the demo."""
     tmp_path.chmod(0o777)  # the image's user writes here
-    arguments = ["--device", "cpu", "--steps", "4", "--seed", "0", "--class-label", "207"]
     run_in(container, "dlo-worker", "demo-model", "/data/model", volume=tmp_path)
     run_in(
         container,
@@ -86,25 +89,10 @@ def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Pa
         "generate",
         "--model",
         "/data/model",
-        *arguments,
+        *demo_flags(),
         "--out",
         "/data/image.png",
         volume=tmp_path,
     )
-    host = subprocess.run(
-        [
-            "dlo-worker",
-            "generate",
-            "--model",
-            str(tmp_path / "model"),
-            *arguments,
-            "--out",
-            str(tmp_path / "host.png"),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "PYTHONPATH": ""},
-    )
-    assert host.returncode == 0, host.stderr
-    assert (tmp_path / "image.png").read_bytes() == (tmp_path / "host.png").read_bytes()
+    host = host_generate(tmp_path / "model", tmp_path / "host.png")
+    assert (tmp_path / "image.png").read_bytes() == host

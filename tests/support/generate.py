@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -38,3 +39,31 @@ def generate_command(model: Path, out: Path, seed: int, *flags: str) -> list[str
 
 def generate_argv(model: Path, out: Path, seed: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "dlo_worker", *generate_command(model, out, seed, *flags)]
+
+
+DEMO_REQUEST = {"seed": 0, "steps": 4, "class_label": 207}
+"""One request to the demo model, as JSON for ``/v1/generate`` (see :func:`demo_flags`)."""
+
+
+def demo_flags() -> list[str]:
+    """:data:`DEMO_REQUEST` as ``dlo-worker generate`` flags, on the CPU."""
+    flags = ["--device", "cpu"]
+    for key, value in DEMO_REQUEST.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+def host_generate(model: Path, out: Path) -> bytes:
+    """``dlo-worker generate`` of :data:`DEMO_REQUEST` on the host, run as a user runs it:
+    the installed command, default threads (as in a container), no test paths. Returns
+    the PNG bytes that images, Pods and Services must reproduce."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run(
+        ["dlo-worker", "generate", "--model", str(model), *demo_flags(), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**env, "PYTHONPATH": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    return out.read_bytes()
