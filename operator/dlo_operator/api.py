@@ -65,6 +65,15 @@ class Accelerator(StrEnum):
     """CPU ranks with gloo: engines that run where there is no GPU (demos, CI)."""
 
 
+class LogLevel(StrEnum):
+    """The workers' log level (``$DLO_LOG_LEVEL`` of every rank)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
 class LockedMemory(StrEnum):
     """How a worker gets a locked-memory limit high enough for mlock or RDMA registration."""
 
@@ -300,6 +309,11 @@ class DiffusionDeploymentSpec(_Api):
     )
     termination_grace_period_seconds: int = Field(
         default=120, ge=0, description="Time for drain, DLO disable and process-group teardown."
+    )
+    log_level: LogLevel = Field(
+        default=LogLevel.WARNING,
+        description="Worker log level: warning is quiet; info adds the lifecycle (loading, "
+        "ready, intake closed, DLO disabled, process groups destroyed) and a line per request.",
     )
     locked_memory: LockedMemory = LockedMemory.NONE
     disruption_budget: DisruptionBudget = DisruptionBudget()

@@ -250,11 +250,9 @@ def on_timer(name: str, namespace: str, **_: Any) -> None:
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 def on_delete(name: str, namespace: str, **_: Any) -> None:
-    """Stop every engine's worker ranks before its leader; owner references do the rest.
-
-    Retried until the workers are gone, then the leaders are deleted and kopf releases
-    its finalizer so the garbage collector removes Services and budgets.
-    """
+    """Drain every engine (leaders first, see :func:`deletion_order`), and hold kopf's
+    finalizer until every Pod is gone, so ``kubectl delete`` returns once the engines have
+    drained; the garbage collector then removes Services and budgets."""
     core = client.CoreV1Api(api())
     pods = [
         ObservedPod.from_manifest(api().sanitize_for_serialization(pod))
@@ -262,16 +260,14 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
             namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}"
         ).items
     ]
-    workers = [pod for pod in pods if pod.node_rank > 0]
-    targets = workers or pods
-    for pod_name in deletion_order(targets):
+    for pod_name in deletion_order(pods):
         try:
             core.delete_namespaced_pod(pod_name, namespace)
         except client.ApiException as error:
             if error.status != 404:
                 raise
-    if workers or any(not pod.terminating for pod in pods):
-        raise kopf.TemporaryError("waiting for the ranks to stop", delay=2)
+    if pods:
+        raise kopf.TemporaryError("waiting for the engines to drain", delay=2)
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

@@ -168,8 +168,14 @@ def became(previous: Mapping[str, Condition], current: Condition) -> bool:
 
 
 def deletion_order(pods: Iterable[ObservedPod]) -> list[str]:
-    """Ranks > 0 first, rank 0 (the leader) last; engines highest first."""
-    ordered = sorted(pods, key=lambda pod: (-pod.engine, pod.node_rank == 0, -pod.node_rank))
+    """Each engine's leader (rank 0) first, then its other Pods; engines highest first.
+
+    The leader drives the drain: on SIGTERM it closes intake, finishes the queued waves,
+    then tells every rank to stop. The other ranks ignore their own SIGTERM and wait for
+    that message, so an engine whose followers were stopped first would hang until its
+    grace period ran out and then be killed mid-collective.
+    """
+    ordered = sorted(pods, key=lambda pod: (-pod.engine, pod.node_rank))
     return [pod.name for pod in ordered if not pod.terminating]
 
 

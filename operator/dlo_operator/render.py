@@ -47,6 +47,7 @@ from dlo_operator.workerconfig import (
     worker_config,
 )
 from dlo_worker.config import to_flags
+from dlo_worker.logs import LOG_LEVEL_ENV
 
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 LABEL_ENGINE = f"{GROUP}/engine"
@@ -60,6 +61,7 @@ ROLE_LEADER, ROLE_WORKER = "leader", "worker"
 CONTAINER = "worker"
 MASTER_PORT = 29500
 TORCHRUN_EXIT_MARGIN_S = 10
+ENDPOINT_REMOVAL_DELAY_S = 5
 GPU_RESOURCE = "nvidia.com/gpu"
 API_KEY_ENV = "DLO_API_KEY"
 """The worker reads its API key from this variable (``dlo-worker serve --api-key``)."""
@@ -170,6 +172,7 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         "NNODES": str(pods_per_engine(spec)),
         "NODE_RANK": str(node),
         "NPROC_PER_NODE": str(spec.gpus_per_node),
+        LOG_LEVEL_ENV: spec.log_level.value,
         # torchrun SIGKILLs its ranks this long after forwarding SIGTERM (torch >= 2.12 reads
         # it; older releases use a fixed 30 s): the drain may use the Pod's grace period.
         "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(torchrun_shutdown_timeout(spec)),
@@ -191,9 +194,21 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
     return env
 
 
+def endpoint_removal_delay(spec: DiffusionDeploymentSpec) -> int:
+    """Seconds a deleted worker keeps serving before its SIGTERM (a preStop sleep).
+
+    Deleting a Pod removes it from its Services and sends SIGTERM at the same moment, and
+    kube-proxy needs a moment to stop routing to it; a leader that closed intake at once
+    would refuse the requests routed to it meanwhile. A quarter of the grace period at
+    most, so the drain keeps the rest."""
+    return min(ENDPOINT_REMOVAL_DELAY_S, spec.termination_grace_period_seconds // 4)
+
+
 def torchrun_shutdown_timeout(spec: DiffusionDeploymentSpec) -> int:
-    """The grace period less the time torchrun itself needs to exit after its ranks."""
-    return max(spec.termination_grace_period_seconds - TORCHRUN_EXIT_MARGIN_S, 0)
+    """The grace period less the preStop delay and the time torchrun itself needs to
+    exit after its ranks."""
+    remaining = spec.termination_grace_period_seconds - endpoint_removal_delay(spec)
+    return max(remaining - TORCHRUN_EXIT_MARGIN_S, 0)
 
 
 def _volumes(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[dict]]:
@@ -398,6 +413,8 @@ def render_pod(
         "securityContext": container_security,
         **_probes(spec),
     }
+    if delay := endpoint_removal_delay(spec):
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": delay}}}
     volumes, mounts = _volumes(spec)
     container["volumeMounts"] = mounts
     if spec.locked_memory == LockedMemory.NRI_ULIMIT:

@@ -88,13 +88,14 @@ def test_a_ready_deployment_is_available_and_left_alone() -> None:
     assert actions.status.observed_generation == 3
 
 
-def test_a_failed_pod_restarts_its_whole_engine_leader_last() -> None:
+def test_a_failed_pod_restarts_its_whole_engine_leader_first() -> None:
     desired = spec()
     pods = running(desired, [0])
     failed = running(desired, [1])
     failed[1] = dataclasses.replace(failed[1], phase="Failed", ready=False)
     actions = reconcile(OWNER, desired, 1, pods + failed, DiffusionDeploymentStatus())
-    assert actions.delete_pods == ["flux-e1-n1", "flux-e1-n0"]
+    # The leader first: it drives the drain and stops the other ranks.
+    assert actions.delete_pods == ["flux-e1-n0", "flux-e1-n1"]
     assert actions.status.engines[1].restarts == 1
     assert actions.status.engines[0].restarts == 0
     assert conditions(actions.status)["Degraded"] == "True"
@@ -132,7 +133,7 @@ def test_a_spec_change_rolls_one_engine_at_a_time() -> None:
     first = reconcile(
         OWNER, new, 2, running(new, range(2), hash_of=old), DiffusionDeploymentStatus()
     )
-    assert first.delete_pods == ["flux-e0-n1", "flux-e0-n0"]
+    assert first.delete_pods == ["flux-e0-n0", "flux-e0-n1"]
     # Engine 0 is being replaced: engine 1 waits even though it is outdated too.
     replacing = running(new, [0], terminating=True, hash_of=old) + running(new, [1], hash_of=old)
     second = reconcile(OWNER, new, 2, replacing, first.status)
@@ -141,13 +142,13 @@ def test_a_spec_change_rolls_one_engine_at_a_time() -> None:
     third = reconcile(
         OWNER, new, 2, running(new, [0]) + running(new, [1], hash_of=old), second.status
     )
-    assert third.delete_pods == ["flux-e1-n1", "flux-e1-n0"]
+    assert third.delete_pods == ["flux-e1-n0", "flux-e1-n1"]
 
 
-def test_scaling_down_removes_the_highest_engines_workers_first() -> None:
+def test_scaling_down_removes_the_highest_engines_leaders_first() -> None:
     desired = spec(replicas=1)
     actions = reconcile(OWNER, desired, 1, running(desired, range(3)), DiffusionDeploymentStatus())
-    assert actions.delete_pods == ["flux-e2-n1", "flux-e2-n0", "flux-e1-n1", "flux-e1-n0"]
+    assert actions.delete_pods == ["flux-e2-n0", "flux-e2-n1", "flux-e1-n0", "flux-e1-n1"]
     assert actions.status.replicas == 1
 
 

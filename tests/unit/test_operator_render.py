@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from dlo_operator.api import DiffusionDeploymentSpec
 from dlo_operator.render import (
@@ -67,12 +68,35 @@ def test_torch_environment_points_every_rank_at_node_zero() -> None:
             "NNODES": "2",
             "NODE_RANK": str(rank),
             "NPROC_PER_NODE": "2",
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "110",
+            "DLO_LOG_LEVEL": "warning",
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "105",
             "HOME": "/home/dlo",
             "USER": "dlo",
         }
         assert pod["spec"]["hostname"] == f"flux-e0-n{rank}"
         assert pod["spec"]["subdomain"] == "flux-e0"
+
+
+def test_the_log_level_reaches_every_rank_as_the_workers_own_variable() -> None:
+    pods = render_engine_pods(OWNER, spec(logLevel="info"), engine=0)
+    assert [env(pod)["DLO_LOG_LEVEL"] for pod in pods] == ["info", "info"]
+    with pytest.raises(ValidationError, match="logLevel"):
+        spec(logLevel="verbose")
+
+
+@pytest.mark.parametrize(("grace", "delay", "torchrun"), [(120, 5, 105), (12, 3, 0), (3, 0, 0)])
+def test_a_deleted_worker_keeps_serving_until_it_left_the_service(
+    grace: int, delay: int, torchrun: int
+) -> None:
+    """A preStop sleep before SIGTERM, within the grace period, and torchrun's own kill
+    timer counts from SIGTERM."""
+    (pod, _) = render_engine_pods(OWNER, spec(terminationGracePeriodSeconds=grace), engine=0)
+    (container,) = pod["spec"]["containers"]
+    if delay:
+        assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": delay}}}
+    else:
+        assert "lifecycle" not in container
+    assert env(pod)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == str(torchrun)
 
 
 def test_headless_service_publishes_not_ready_addresses() -> None:
