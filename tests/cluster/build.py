@@ -30,8 +30,11 @@ from pathlib import Path
 VERSIONS_FILE = Path(__file__).with_name("versions.json")
 RECIPE_REVISION = "1"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-NODE_BINARIES = ("kubelet", "kube-proxy")
+NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
 """Built only when real nodes are asked for (``up --real-nodes``)."""
+STAMPED = {"kube-score": "kube_score", "coredns": "coredns"}
+"""Tools outside the cache key (a bump rebuilds only that tool): binary name -> version
+field, checked against a stamp file next to the binary."""
 
 Progress = Callable[[str], None]
 
@@ -48,6 +51,8 @@ class Versions:
     helm: str
     kube_score: str
     """A linter for manifests (run on the chart and on rendered worker Pods)."""
+    coredns: str
+    """Cluster DNS of the real nodes."""
 
     @classmethod
     def load(cls, path: Path = VERSIONS_FILE) -> Versions:
@@ -55,7 +60,7 @@ class Versions:
 
     def control_plane(self) -> dict[str, str]:
         """The versions that key the cache directory (a linter bump rebuilds only itself)."""
-        return {k: v for k, v in self.__dict__.items() if k != "kube_score"}
+        return {k: v for k, v in self.__dict__.items() if k not in STAMPED.values()}
 
     @property
     def staging_version(self) -> str:
@@ -173,9 +178,13 @@ class Builder:
     def missing(self, extra: tuple[str, ...] = ()) -> list[str]:
         wanted = (*KUBERNETES_BINARIES, "etcd", "kwok", "helm", "kube-score", *extra)
         missing = [name for name in wanted if not (self.bin / name).is_file()]
-        if "kube-score" not in missing and self._stamp("kube-score") != self.versions.kube_score:
-            missing.append("kube-score")
+        for name in STAMPED:
+            if name in wanted and name not in missing and self._stamp(name) != self._version(name):
+                missing.append(name)
         return missing
+
+    def _version(self, name: str) -> str:
+        return getattr(self.versions, STAMPED[name])
 
     def _stamp(self, name: str) -> str:
         stamp = self.bin / f".{name}.version"
@@ -211,7 +220,7 @@ class Builder:
 
     def _build(self, name: str) -> None:
         v = self.versions
-        if name in KUBERNETES_BINARIES or name in NODE_BINARIES:
+        if name in KUBERNETES_BINARIES or name in ("kubelet", "kube-proxy"):
             scratch = self.root / "src"
             scratch.mkdir(parents=True, exist_ok=True)
             replaces = staging_replaces(
@@ -253,6 +262,15 @@ class Builder:
             )
             package = "github.com/zegl/kube-score/cmd/kube-score"
             ldflags = f"-s -w -X main.version={v.kube_score.removeprefix('v')}"
+        elif name == "coredns":
+            workspace = self._workspace(
+                "coredns",
+                wrapper_go_mod(
+                    "dlo.dev/cluster/coredns", {"github.com/coredns/coredns": v.coredns}, {}
+                ),
+            )
+            package = "github.com/coredns/coredns"
+            ldflags = "-s -w"
         else:
             raise BuildError(f"unknown tool {name}")
         if package == ".":
@@ -264,8 +282,8 @@ class Builder:
             self.env,
         )
         _install(built, self.bin / name)
-        if name == "kube-score":
-            (self.bin / f".{name}.version").write_text(v.kube_score)
+        if name in STAMPED:
+            (self.bin / f".{name}.version").write_text(self._version(name))
 
 
 def main() -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,8 +12,10 @@ import pytest
 from kubernetes import client
 
 from dlo_operator.crd import custom_resource_definition
+from tests.cluster import nodes
 from tests.cluster.control_plane import ClusterState, down, up
 from tests.cluster.helpers import eventually
+from tests.cluster.images import missing_host_tools
 
 
 @pytest.fixture(scope="session")
@@ -68,3 +72,29 @@ def crd(api_client) -> None:
             for c in extensions.read_custom_resource_definition(name).status.conditions or []
         )
     )
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    """Two real nodes (:mod:`tests.cluster.nodes`) and no fake ones, shared by the modules
+    that need containers to run; skipped where the machine cannot host them."""
+    if os.geteuid() != 0:
+        pytest.skip("real nodes need root (containerd, cgroups, bridges)")
+    if missing_host_tools() and not Path("/usr/bin/apt-get").exists():
+        pytest.skip(f"real nodes need {missing_host_tools()}")
+    directory = tmp_path_factory.mktemp("real-cluster")
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    state = up(directory, nodes=0, real_nodes=2, progress=progress)
+    try:
+        yield state
+    finally:
+        down(directory, progress=progress)
+        plans = [
+            nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0, Path("/nonexistent"))
+            for i in (0, 1)
+        ]
+        assert not any(nodes._shims(plan) or nodes._cgroup_processes(plan) for plan in plans)
+        assert not any(
+            line.split()[1].startswith(str(directory / "nodes"))
+            for line in Path("/proc/mounts").read_text().splitlines()
+        )

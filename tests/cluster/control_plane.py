@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import time
@@ -25,9 +26,11 @@ from pathlib import Path
 from tests.cluster import nodes
 from tests.cluster import pki as pki_module
 from tests.cluster.build import NODE_BINARIES, Builder, cache_root
+from tests.cluster.nodes import host_address
 from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
+LOOPBACK = "127.0.0.1"
 GPU_RESOURCE = "nvidia.com/gpu"
 FAKE_NODE_LABEL = ("type", "kwok")
 
@@ -178,10 +181,13 @@ def up(
     for stale in ("etcd-data", "pki"):
         shutil.rmtree(directory / stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
-    pki = pki_module.generate(directory / "pki")
+    # Pods on real nodes call the apiserver through the kubernetes Service, whose endpoint
+    # is the advertised address: the host's, not loopback.
+    address = host_address() if real_nodes else LOOPBACK
+    pki = pki_module.generate(directory / "pki", serving_ips=(address,))
     launcher = _Launcher(directory, bin_dir)
     try:
-        state = _start_components(directory, pki, launcher, progress)
+        state = _start_components(directory, pki, launcher, address, progress)
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
         if real_nodes:
             _start_real_nodes(state, launcher, real_nodes, progress)
@@ -195,7 +201,7 @@ def up(
 
 
 def _start_components(
-    directory: Path, pki: pki_module.Pki, launcher: _Launcher, progress: Progress
+    directory: Path, pki: pki_module.Pki, launcher: _Launcher, address: str, progress: Progress
 ) -> ClusterState:
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -237,9 +243,9 @@ def _start_components(
             "--etcd-servers",
             etcd_url,
             "--bind-address",
-            "127.0.0.1",
+            LOOPBACK if address == LOOPBACK else "0.0.0.0",
             "--advertise-address",
-            "127.0.0.1",
+            address,
             "--secure-port",
             str(api_port),
             "--authorization-mode",
@@ -392,12 +398,33 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
                 os.killpg(component.pid, signal.SIGKILL)
     for plan in state.real_nodes:
         progress(f"cleaning real node {plan['index']}")
-        nodes.clean_node(
-            nodes.NodePlan(
-                **{**plan, "directory": Path(plan["directory"]), "store": Path(plan["store"])}
-            )
-        )
+        nodes.clean_node(nodes.NodePlan.from_record(plan))
     (directory / STATE_FILE).unlink(missing_ok=True)
+
+
+def _start_cluster_dns(
+    state: ClusterState, launcher: _Launcher, address: str, progress: Progress
+) -> None:
+    """CoreDNS on the host, and the kube-dns Service the kubelets name as nameserver."""
+    from kubernetes import client, config
+
+    port = free_port()
+    corefile = Path(state.directory) / "Corefile"
+    corefile.write_text(nodes.corefile(address, port, state.kubeconfig))
+    progress("starting CoreDNS (cluster DNS of the real nodes)")
+    log = launcher.start("coredns", ["-conf", str(corefile)])
+    state.components = launcher.components
+    state.save()
+    _wait(lambda: _tcp_open(address, port), 60, "CoreDNS", log)
+    api = config.new_client_from_config(config_file=state.kubeconfig)
+    service, endpoints = nodes.dns_service(address, port)
+    client.CoreV1Api(api).create_namespaced_service("kube-system", service)
+    client.DiscoveryV1Api(api).create_namespaced_endpoint_slice("kube-system", endpoints)
+
+
+def _tcp_open(address: str, port: int) -> bool:
+    with socket.create_connection((address, port), timeout=1):
+        return True
 
 
 def _start_real_nodes(
@@ -412,6 +439,7 @@ def _start_real_nodes(
     images = ImageBuilder(progress=progress).ensure()
     directory = Path(state.directory)
     address = nodes.host_address()
+    _start_cluster_dns(state, launcher, address, progress)
     for index in range(count):
         plan = nodes.NodePlan(
             index,
@@ -422,9 +450,7 @@ def _start_real_nodes(
             cache_root() / "containerd" / str(index),
         )
         nodes.clean_node(plan)  # what a killed earlier run left
-        state.real_nodes.append(
-            {**asdict(plan), "directory": str(directory), "store": str(plan.store)}
-        )
+        state.real_nodes.append(plan.record())
         state.save()
         nodes.make_cgroup_parent(plan)
         containerd_toml, kubelet_json = nodes.write_node_files(plan, images["pause"].reference)

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from kubernetes import client
@@ -20,16 +20,42 @@ from dlo_operator.api import GROUP, PLURAL, VERSION
 from tests.support.ports import free_port
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
+T = TypeVar("T")
 
 
-def eventually(check: Callable[[], bool], timeout_s: float = 60, what: str = "condition") -> None:
-    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout_s``."""
+def eventually(check: Callable[[], T], timeout_s: float = 60, what: str = "condition") -> T:
+    """Poll ``check`` until it returns something truthy, and return that; fail naming
+    ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if check():
-            return
+        if result := check():
+            return result
         time.sleep(0.5)
     raise AssertionError(f"{what} not met within {timeout_s} s")
+
+
+def cluster_tool(
+    kubeconfig: str, name: str, *args: str, home: Path, timeout_s: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run a built tool (``kubectl``, ``helm``) against the cluster, as a user would; Helm's
+    directories go under ``home`` so tests never share or touch the user's."""
+    from tests.cluster.build import Builder
+
+    env = {
+        **os.environ,
+        "KUBECONFIG": kubeconfig,
+        "HELM_CACHE_HOME": str(home / "c"),
+        "HELM_CONFIG_HOME": str(home / "cfg"),
+        "HELM_DATA_HOME": str(home / "d"),
+    }
+    return subprocess.run(
+        [str(Builder().bin / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 def manifest(name: str, **spec: Any) -> dict[str, Any]:

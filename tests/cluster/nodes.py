@@ -13,13 +13,16 @@ sleeping. What this machine needs that a stock node would not:
   cannot lower a sandbox's OOM score to the -998 the CRI asks for;
 - runc, not crun: crun refuses cgroup v1 hierarchies while cgroup v2 holds a controller.
 
-Services (kube-proxy) and cluster DNS are not set up yet: Pods on real nodes reach each
-other by Pod IP through the host, which routes between the bridges.
+The nodes share the host's network: it routes between the bridges, one kube-proxy
+(iptables) serves Services for all of them, and one CoreDNS on the host answers for
+``cluster.local`` behind the ``kube-dns`` Service (:data:`DNS_SERVICE_IP`, an
+EndpointSlice naming the host), which is the nameserver every kubelet gives its Pods.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -35,6 +38,8 @@ from tests.cluster.build import BuildError, Progress
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REAL_NODE_LABEL = ("dlo.dev/node", "real")
 RUNTIME_PACKAGES = {"containerd": "containerd", "ctr": "containerd"}
+DNS_SERVICE_IP = "10.0.0.10"
+CLUSTER_DOMAIN = "cluster.local"
 CNI_PLUGINS = Path("/usr/lib/cni")
 """Where Debian's containernetworking-plugins installs bridge, host-local, loopback."""
 
@@ -52,6 +57,20 @@ class NodePlan:
     """containerd's root (images, snapshots): kept across clusters under the cluster cache,
     one per node index, so a worker image of several GB is imported once and the temporary
     directories of earlier test runs do not each hold copies."""
+
+    @classmethod
+    def from_record(cls, record: dict) -> NodePlan:
+        """The plan ``ClusterState.real_nodes`` recorded as JSON (:meth:`record`)."""
+        return cls(
+            **{**record, "directory": Path(record["directory"]), "store": Path(record["store"])}
+        )
+
+    def record(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "directory": str(self.directory),
+            "store": str(self.store),
+        }
 
     @property
     def name(self) -> str:
@@ -72,6 +91,11 @@ class NodePlan:
     @property
     def root(self) -> Path:
         return self.directory / "nodes" / self.name
+
+    @property
+    def pod_logs(self) -> Path:
+        """The containers' log files (``/var/log/pods`` on a stock node)."""
+        return self.root / "pod-logs"
 
     @property
     def run_directory(self) -> Path:
@@ -155,7 +179,8 @@ def kubelet_config(plan: NodePlan) -> dict:
         "healthzBindAddress": "127.0.0.1",
         "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
         "authorization": {"mode": "AlwaysAllow"},
-        "clusterDomain": "cluster.local",
+        "clusterDomain": CLUSTER_DOMAIN,
+        "clusterDNS": [DNS_SERVICE_IP],
         "podCIDR": plan.pod_cidr,
         "evictionHard": {
             "memory.available": "100Mi",
@@ -166,7 +191,63 @@ def kubelet_config(plan: NodePlan) -> dict:
         "imageGCLowThresholdPercent": 99,
         "serializeImagePulls": False,
         "containerRuntimeEndpoint": f"unix://{plan.socket}",
+        "podLogsDir": str(plan.pod_logs),
     }
+
+
+def corefile(address: str, port: int, kubeconfig: str) -> str:
+    """CoreDNS on the host: Services and Pods of the cluster domain from the apiserver
+    (headless Service names included), everything else forwarded to the host's resolver."""
+    return "\n".join(
+        [
+            f".:{port} {{",
+            f"    bind {address}",
+            "    errors",
+            f"    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{",
+            f"        kubeconfig {kubeconfig}",
+            "        pods insecure",
+            "        fallthrough in-addr.arpa ip6.arpa",
+            "    }",
+            "    forward . /etc/resolv.conf",
+            "    cache 5",
+            "}",
+            "",
+        ]
+    )
+
+
+def dns_service(address: str, port: int) -> tuple[dict, dict]:
+    """The ``kube-dns`` Service at :data:`DNS_SERVICE_IP` and the EndpointSlice that sends
+    it to CoreDNS on the host (no selector: CoreDNS is a host process, not a Pod)."""
+    ports = [("dns", "UDP"), ("dns-tcp", "TCP")]
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "kube-dns", "namespace": "kube-system"},
+        "spec": {
+            "clusterIP": DNS_SERVICE_IP,
+            "ports": [
+                {"name": name, "protocol": protocol, "port": 53, "targetPort": port}
+                for name, protocol in ports
+            ],
+        },
+    }
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kube-dns-host",
+            "namespace": "kube-system",
+            "labels": {
+                "kubernetes.io/service-name": "kube-dns",
+                "endpointslice.kubernetes.io/managed-by": "dlo.dev-tests",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+        "ports": [{"name": name, "protocol": protocol, "port": port} for name, protocol in ports],
+    }
+    return service, endpoints
 
 
 def host_address() -> str:

@@ -128,8 +128,10 @@ def _certificate(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def generate(directory: Path) -> Pki:
-    """Write a fresh CA, apiserver serving pair, admin client pair and service-account keys."""
+def generate(directory: Path, serving_ips: tuple[str, ...] = ()) -> Pki:
+    """Write a fresh CA, apiserver serving pair, admin client pair and service-account keys;
+    ``serving_ips`` are further addresses the apiserver is reached at (the host's, when
+    Pods on real nodes call it through the ``kubernetes`` Service)."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(directory)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -144,7 +146,7 @@ def generate(directory: Path) -> Pki:
             _name("kube-apiserver"),
             [ExtendedKeyUsageOID.SERVER_AUTH],
             SERVING_NAMES,
-            ("127.0.0.1", SERVICE_IP),
+            ("127.0.0.1", SERVICE_IP, *serving_ips),
         ),
         (
             pki.admin_cert,

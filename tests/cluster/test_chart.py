@@ -9,7 +9,6 @@ not adopt one created by the other tests.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,8 @@ import pytest
 from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.build import Builder
 from tests.cluster.control_plane import ClusterState, down, up
-from tests.cluster.helpers import CHART, eventually, running_operator
+from tests.cluster.helpers import CHART, cluster_tool, eventually, running_operator
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
 RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
@@ -39,21 +37,7 @@ def chart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterS
 def tool(
     state: ClusterState, name: str, *args: str, home: Path
 ) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "KUBECONFIG": state.kubeconfig,
-        "HELM_CACHE_HOME": str(home / "c"),
-        "HELM_CONFIG_HOME": str(home / "cfg"),
-        "HELM_DATA_HOME": str(home / "d"),
-    }
-    return subprocess.run(
-        [str(Builder().bin / name), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return cluster_tool(state.kubeconfig, name, *args, home=home)
 
 
 @pytest.fixture(scope="module")

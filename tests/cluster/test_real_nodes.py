@@ -5,10 +5,6 @@ other by Pod IP; ``down`` leaves no process, mount, cgroup or bridge behind."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,36 +12,12 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from tests.cluster import nodes
-from tests.cluster.control_plane import ClusterState, down, up
-from tests.cluster.images import ImageBuilder, missing_host_tools
+from tests.cluster.control_plane import ClusterState
+from tests.cluster.helpers import eventually
+from tests.cluster.images import ImageBuilder
+from tests.support.generate import demo_flags, host_generate
 
 WORKER_UID = 65532
-GENERATE = ["--device", "cpu", "--steps", "4", "--seed", "0", "--class-label", "207"]
-
-
-@pytest.fixture(scope="module")
-def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
-    if os.geteuid() != 0:
-        pytest.skip("real nodes need root (containerd, cgroups, bridges)")
-    if missing_host_tools() and not Path("/usr/bin/apt-get").exists():
-        pytest.skip(f"real nodes need {missing_host_tools()}")
-    directory = tmp_path_factory.mktemp("real-cluster")
-    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    state = up(directory, nodes=0, real_nodes=2, progress=progress)
-    try:
-        yield state
-    finally:
-        down(directory, progress=progress)
-        plans = [
-            nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0, Path("/nonexistent"))
-            for i in (0, 1)
-        ]
-        assert not any(nodes._shims(plan) or nodes._cgroup_processes(plan) for plan in plans)
-        assert not any(
-            line.split()[1].startswith(str(directory / "nodes"))
-            for line in Path("/proc/mounts").read_text().splitlines()
-        )
 
 
 @pytest.fixture(scope="module")
@@ -82,22 +54,12 @@ def pod(name: str, node: str, image: str, command: list[str], **spec) -> client.
     )
 
 
-def wait_for(value, timeout_s: float, what: str):
-    """Poll ``value()`` until it is truthy; returns it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := value():
-            return result
-        time.sleep(1)
-    raise AssertionError(f"{what} not within {timeout_s} s")
-
-
 def finished(core: client.CoreV1Api, namespace: str, name: str, timeout_s: float) -> str:
     def phase() -> str | None:
         current = core.read_namespaced_pod(name, namespace).status.phase
         return current if current in ("Succeeded", "Failed") else None
 
-    return wait_for(phase, timeout_s, f"pod {name} finished")
+    return eventually(phase, timeout_s, f"pod {name} finished")
 
 
 def probe_script(url: str) -> str:
@@ -118,7 +80,7 @@ def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     worker = ImageBuilder().reference("worker")
     script = (
         "dlo-worker demo-model /data/model && dlo-worker generate --model /data/model "
-        + " ".join(GENERATE)
+        + " ".join(demo_flags())
         + " --out /data/image.png"
     )
     body = pod(
@@ -137,22 +99,8 @@ def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     core.create_namespaced_pod(namespace, body)
     phase = finished(core, namespace, "generate", 300)
     assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
-    host = subprocess.run(
-        [
-            "dlo-worker",
-            "generate",
-            "--model",
-            str(tmp_path / "model"),
-            *GENERATE,
-            "--out",
-            str(tmp_path / "host.png"),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert host.returncode == 0, host.stderr
-    assert (tmp_path / "image.png").read_bytes() == (tmp_path / "host.png").read_bytes()
+    host = host_generate(tmp_path / "model", tmp_path / "host.png")
+    assert (tmp_path / "image.png").read_bytes() == host
 
 
 def test_pods_on_two_real_nodes_reach_each_other_by_pod_ip(core, namespace: str) -> None:
@@ -160,7 +108,7 @@ def test_pods_on_two_real_nodes_reach_each_other_by_pod_ip(core, namespace: str)
     core.create_namespaced_pod(
         namespace, pod("server", "dlo-real-0", base, ["python3", "-m", "http.server", "8000"])
     )
-    address = wait_for(
+    address = eventually(
         lambda: core.read_namespaced_pod("server", namespace).status.pod_ip, 120, "server IP"
     )
     assert address.startswith("10.244.0.")

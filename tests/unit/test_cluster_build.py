@@ -35,7 +35,12 @@ def test_every_staging_module_is_replaced_by_its_published_twin() -> None:
 
 def test_staging_version_follows_the_kubernetes_release() -> None:
     versions = Versions(
-        kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5", kube_score="v1.20.0"
+        kubernetes="v1.34.4",
+        etcd="v3.6.16",
+        kwok="v0.7.0",
+        helm="v3.19.5",
+        kube_score="v1.20.0",
+        coredns="v1.14.7",
     )
     assert versions.staging_version == "v0.34.4"
 
@@ -56,9 +61,15 @@ def test_version_stamps_report_the_real_release() -> None:
 
 def test_cache_key_changes_with_any_control_plane_version() -> None:
     base = Versions(
-        kubernetes="v1.34.4", etcd="v3.6.16", kwok="v0.7.0", helm="v3.19.5", kube_score="v1.20.0"
+        kubernetes="v1.34.4",
+        etcd="v3.6.16",
+        kwok="v0.7.0",
+        helm="v3.19.5",
+        kube_score="v1.20.0",
+        coredns="v1.14.7",
     )
     assert build_key(base) == build_key(base)
     assert build_key(base) != build_key(dataclasses.replace(base, helm="v3.19.6"))
     # A linter bump rebuilds the linter alone (Builder.missing compares its stamp).
     assert build_key(base) == build_key(dataclasses.replace(base, kube_score="v1.21.0"))
+    assert build_key(base) == build_key(dataclasses.replace(base, coredns="v1.14.8"))
