@@ -9,6 +9,8 @@ process and printed as ratios against the limits of ``shared/design/ANCHORS.md``
 - diffusers group offloading, the peer, in its strongest configurations (block level and
   leaf level, both with ``use_stream`` and ``record_stream``); the best of them is the one
   compared, and every configuration's step time and peak HBM are printed;
+- diffusers' model-level offload (``--enable-cpu-offload``): steps at the resident speed
+  once the whole DiT moved in, plus one move in and one out per image;
 - with ``--budgets``: DLO with ``gpu_memory_budget_gib`` (streamed bytes spread evenly
   through the order), each against its own bound max(resident step, streamed bytes / H2D)
   and against the resident step beside copies of the same bytes;
@@ -266,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         report["budgets"] = residency_curve(device, inputs, args, resident, bandwidth)
     if not distributed and not args.skip_diffusers:
         report["diffusers"] = diffusers_group_offload(device, inputs, args, report["results"])
+        report["diffusers_model_offload"] = diffusers_model_cpu_offload(device, inputs, args)
     if distributed and args.shard_buffers:
         report["shard_buffers"] = shard_ring_curve(device, inputs, args, resident, bandwidth)
     if distributed:
@@ -406,6 +409,39 @@ def diffusers_group_offload(device, inputs, args, results) -> dict:
     return peer
 
 
+def diffusers_model_cpu_offload(device, inputs, args) -> dict:
+    """diffusers' model-level offload (``--enable-cpu-offload``): ``enable_model_cpu_offload``
+    puts accelerate's ``cpu_offload_with_hook`` on each component, so the whole DiT moves in
+    before the first step of an image and out when the next component runs. Its steps run
+    at the resident speed and each image pays one move in and one out; it needs the HBM of
+    the whole DiT, which DLO exists to avoid."""
+    from accelerate import cpu_offload_with_hook
+
+    model = build_flux(device).to("cpu")
+    release(device)
+    model, hook = cpu_offload_with_hook(model, device)
+    result: dict = {}
+    for resolution in args.resolutions:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model(**inputs[resolution])
+        torch.cuda.synchronize()
+        first = time.perf_counter() - started
+        step = step_seconds(model, inputs[resolution], args.repeats)
+        started = time.perf_counter()
+        hook.offload()
+        torch.cuda.synchronize()
+        result[resolution] = {
+            "first_step_s": first,
+            "step_s": step,
+            "move_out_s": time.perf_counter() - started,
+            "peak_gib": peak_gib(device),
+        }
+    del model, hook
+    release(device)
+    return result
+
+
 def print_report(report: dict) -> None:
     print(
         f"# {report['gpu']} x{report['world_size']}, torch {report['torch']}, "
@@ -446,6 +482,12 @@ def print_report(report: dict) -> None:
             if isinstance(v, dict)
         )
         print(f"diffusers {name} (use_stream, record_stream): {steps}")
+    for resolution, row in report.get("diffusers_model_offload", {}).items():
+        print(
+            f"diffusers model-level offload, {resolution}x{resolution}: step {row['step_s']:.3f} s"
+            f" after a first step of {row['first_step_s']:.3f} s (moves the DiT in), move out "
+            f"{row['move_out_s']:.3f} s per image (peak {row['peak_gib']:.1f} GiB)"
+        )
     for row in report.get("shard_buffers", []):
         print(
             f"AllGather, {row['shard_buffers']} shard buffers, "

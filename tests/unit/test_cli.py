@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dlo_worker.cli import build_parser, main
 from dlo_worker.config import (
@@ -185,7 +186,8 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
     [
         (["--port", "70000"], "--port: must be a TCP port"),
         (["--max-queued-requests", "0"], "--max-queued-requests: must be at least 1"),
-        (["--enable-cpu-offload"], "is not executed by this worker release"),
+        (["--enable-cpu-offload", "--device", "cpu"], "--enable-cpu-offload moves weights"),
+        (["--enable-layerwise-offload", "--device", "cpu"], "and --device is cpu"),
         (["--sequence-parallel-size", "2"], "runs data parallel only"),
     ],
 )
@@ -307,3 +309,17 @@ def test_to_flags_is_the_inverse_of_parsing(capsys, argv: list[str]) -> None:
     code, again, _ = run(capsys, "config", *to_flags(config))
     assert code == 0
     assert json.loads(again)["config"] == json.loads(out)["config"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--device auto resolves to the CPU only here")
+@pytest.mark.parametrize("flag", ["--enable-cpu-offload", "--enable-layerwise-offload"])
+def test_a_diffusers_offload_mode_on_an_automatic_cpu_device_is_refused_before_loading(
+    capsys, demo_model_dir, tmp_path, flag: str
+) -> None:
+    out = tmp_path / "x.png"
+    code, _, err = run(capsys, "generate", "--model", str(demo_model_dir), "--out", str(out), flag)
+    assert code == 2
+    assert (
+        f"{flag} moves weights between host memory and a CUDA device, and the device is cpu" in err
+    )
+    assert not out.exists()

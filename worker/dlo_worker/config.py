@@ -615,16 +615,24 @@ def execution_errors(config: WorkerConfig) -> list[str]:
     """What this worker release cannot execute although the options are valid (pure).
 
     The configuration models the whole design (the operator validates against it), but
-    model-level CPU offload, standard layerwise offload, online quantization and the
-    models' SP/TP/HSDP execution are not implemented yet; ``generate``, ``serve`` and
+    online quantization and the models' SP/TP/HSDP execution are not implemented yet, and
+    diffusers' offload modes need a CUDA device; ``generate``, ``serve`` and
     the operator refuse them with these messages instead of failing later.
     """
     errors: list[str] = []
     policy = config.effective().offload_policy
-    if policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD):
+    if (
+        policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD)
+        and config.model.device == "cpu"
+    ):
+        flag = flag_for(
+            "enable_cpu_offload"
+            if policy == OffloadPolicy.MODEL_CPU_OFFLOAD
+            else "enable_layerwise_offload"
+        )
         errors.append(
-            f"offload policy {policy} is not executed by this worker release; use "
-            "--enable-distributed-layerwise-offload or run resident"
+            f"{flag} moves weights between host memory and a CUDA device, and --device is "
+            "cpu: drop the flag (on the CPU everything is in host memory already)"
         )
     if config.model.quantization != Quantization.NONE:
         errors.append(

@@ -12,16 +12,21 @@ from __future__ import annotations
 import logging
 import signal
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dlo_worker import metrics
+from dlo_worker import diffusers_offload, metrics
 from dlo_worker.config import OffloadPolicy, ShardingGroup, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
-from dlo_worker.loader.diffusers_loader import BackingDecision, DiffusersPipelineLoader
+from dlo_worker.loader.diffusers_loader import (
+    DIT_COMPONENTS,
+    BackingDecision,
+    DiffusersPipelineLoader,
+)
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.offload.host_source import HostWeightPlanError
 
@@ -65,6 +70,11 @@ class Worker:
         self.shutdown()
 
     def start(self) -> None:
+        # Before any weight is read: a diffusers offload mode needs a CUDA device and, for
+        # group offloading, a DiT class diffusers supports.
+        policy = self.config.effective().offload_policy
+        diffusers_offload.check_device(policy, self.device)
+        diffusers_offload.check_model(policy, Path(self.config.model.model), DIT_COMPONENTS)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
@@ -72,7 +82,10 @@ class Worker:
         self.pipeline = loader.load()
         self.backing = loader.decision
         plan = loader.take_host_weight_plan()
-        if self.config.effective().offload_policy != OffloadPolicy.DLO:
+        policy = self.config.effective().offload_policy
+        if policy in diffusers_offload.DIFFUSERS_POLICIES:
+            diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
+        if policy != OffloadPolicy.DLO:
             return
         offload_config = offload_config_for(self.config, self.topology.groups)
         try:

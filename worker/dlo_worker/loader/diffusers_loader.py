@@ -34,6 +34,7 @@ from dlo_worker.config import (
     WorkerConfig,
     default_runtime_cache_root,
 )
+from dlo_worker.diffusers_offload import stays_on_host
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
@@ -85,7 +86,8 @@ class DiffusersPipelineLoader:
         self.model_dir = Path(config.model.model)
         self.dtype = dtype
         self.device = device
-        self.streams_dit = config.effective().offload_policy == OffloadPolicy.DLO
+        self.policy = config.effective().offload_policy
+        self.streams_dit = self.policy == OffloadPolicy.DLO
         self.decision: BackingDecision | None = None
         self.cache_report: CacheReport | None = None
         """What the runtime cache did, when this load used it."""
@@ -125,8 +127,10 @@ class DiffusersPipelineLoader:
             if isinstance(component, nn.Module) and name not in prepared.bound:
                 if name in DIT_COMPONENTS:
                     check_finite_parameters(self.model_dir / name, component)
-                streamed_later = self.streams_dit and name in DIT_COMPONENTS
-                component.to(torch.device("cpu") if streamed_later else self.device)
+                on_host = (self.streams_dit and name in DIT_COMPONENTS) or stays_on_host(
+                    self.policy, name, DIT_COMPONENTS
+                )
+                component.to(torch.device("cpu") if on_host else self.device)
         backing = self._host_backing(pipeline, hit, prepared, source)
         reasons = prepared.reasons
         self.decision = BackingDecision(
