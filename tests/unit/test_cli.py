@@ -188,7 +188,12 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
         (["--max-queued-requests", "0"], "--max-queued-requests: must be at least 1"),
         (["--enable-cpu-offload", "--device", "cpu"], "--enable-cpu-offload moves weights"),
         (["--enable-layerwise-offload", "--device", "cpu"], "and --device is cpu"),
-        (["--sequence-parallel-size", "2"], "runs data parallel only"),
+        (["--sequence-parallel-size", "2"], "--sequence-parallel-size 2: sequence parallelism"),
+        (["--tensor-parallel-size", "2"], "tensor parallelism needs"),
+        (
+            ["--sequence-parallel-size", "2", "--use-hsdp"],
+            "--use-hsdp: HSDP needs each DiT wrapped in FSDP2",
+        ),
     ],
 )
 def test_serve_rejects_bad_options_before_loading(capsys, demo_model_dir, argv, named) -> None:

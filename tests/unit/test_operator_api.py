@@ -81,7 +81,8 @@ def test_invalid_dlo_combination_carries_the_workers_message() -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"parallelism": {"data": 2, "sequence": 2}}, "runs data parallel only"),
+        ({"parallelism": {"data": 2, "sequence": 2}}, "sequence parallelism"),
+        ({"parallelism": {"data": 2, "tensor": 2}}, "column- and row-parallel linears"),
         ({"quantization": "fp8"}, "--quantization fp8 is not executed by this worker release"),
     ],
 )

@@ -615,9 +615,10 @@ def execution_errors(config: WorkerConfig) -> list[str]:
     """What this worker release cannot execute although the options are valid (pure).
 
     The configuration models the whole design (the operator validates against it), but
-    online quantization and the models' SP/TP/HSDP execution are not implemented yet, and
-    diffusers' offload modes need a CUDA device; ``generate``, ``serve`` and
-    the operator refuse them with these messages instead of failing later.
+    online quantization and the models' SP/TP/HSDP execution are not implemented, and
+    diffusers' offload modes need a CUDA device. ``generate``, ``serve`` and the operator
+    refuse them with these messages (each names what would be needed) instead of failing
+    later.
     """
     errors: list[str] = []
     policy = config.effective().offload_policy
@@ -640,15 +641,26 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             "release; use --quantization none"
         )
     parallel = config.parallel
-    if (
-        parallel.sequence_parallel_size > 1
-        or parallel.tensor_parallel_size > 1
-        or parallel.use_hsdp
-    ):
+    if parallel.sequence_parallel_size > 1:
         errors.append(
-            "this worker release runs data parallel only (the models' sequence/tensor-parallel "
-            "execution and HSDP are not implemented); set --sequence-parallel-size and "
-            "--tensor-parallel-size to 1 and drop --use-hsdp"
+            f"--sequence-parallel-size {parallel.sequence_parallel_size}: sequence parallelism "
+            "(diffusers' context parallelism across the SP ranks) is not executed by this "
+            "worker release; set --sequence-parallel-size 1 and scale with "
+            "--data-parallel-size (DLO AllGather shards host weights over DP)"
+        )
+    if parallel.tensor_parallel_size > 1:
+        errors.append(
+            f"--tensor-parallel-size {parallel.tensor_parallel_size}: tensor parallelism needs "
+            "every DiT's attention and MLP split across ranks (column- and row-parallel "
+            "linears), which diffusers' model classes do not provide and this worker does "
+            "not implement; set --tensor-parallel-size 1"
+        )
+    if parallel.use_hsdp:
+        errors.append(
+            "--use-hsdp: HSDP needs each DiT wrapped in FSDP2 with its own parameter "
+            "lifecycle, which this worker does not implement (and DLO never shards an HSDP "
+            "group again); drop --use-hsdp and use --data-parallel-size with DLO AllGather, "
+            "which shards host weights over DP"
         )
     return errors
 
