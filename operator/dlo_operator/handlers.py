@@ -13,6 +13,7 @@ Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -31,18 +32,23 @@ from dlo_operator.api import (
 )
 from dlo_operator.reconcile import (
     Actions,
+    ApplyFailure,
     Event,
     ObservedChild,
     ObservedPod,
     deletion_order,
     invalid_spec_conditions,
     reconcile,
+    report_apply_failures,
 )
 from dlo_operator.render import GPU_RESOURCE, LABEL_DEPLOYMENT, Owner
 from dlo_operator.warming import ObservedJob, ObservedNode, warming_enabled
 
 ANNOTATION_PREFIX = GROUP
 TIMER_INTERVAL_S = 10.0
+MAX_RETRY_DELAY_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 _api: client.ApiClient | None = None
 
@@ -133,38 +139,70 @@ def _unless(error: client.ApiException, status: int) -> None:
         raise error
 
 
-def _apply(namespace: str, actions: Actions) -> set[str]:
-    """Carry out the actions; returns the names of the Pods this call created or deleted."""
+def _api_message(error: client.ApiException) -> str:
+    """The API server's own message (its Status body), else the HTTP reason."""
+    try:
+        return json.loads(error.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{error.status} {error.reason}"
+
+
+def _apply(namespace: str, actions: Actions) -> tuple[set[str], list[ApplyFailure], bool]:
+    """Carry out the actions. Returns the Pods this call created or deleted, what the API
+    server refused (each logged once), and whether Pod creation was held back because a
+    Service could not be applied (a Pod must not start without its rendezvous and client
+    Services)."""
     core = client.CoreV1Api(api())
     changed: set[str] = set()
+    failures: list[ApplyFailure] = []
+
+    def refused(verb: str, kind: str, name: str, error: client.ApiException) -> None:
+        failure = ApplyFailure(verb, kind, name, _api_message(error))
+        failures.append(failure)
+        logger.warning(
+            "the API server refused to %s %s %s/%s: %s",
+            verb,
+            kind,
+            namespace,
+            name,
+            failure.message,
+        )
+
     for item in actions.apply_children:
         name, kind = item["metadata"]["name"], item["kind"]
         try:
-            _child_call(kind, "create")(namespace, item)
+            try:
+                _child_call(kind, "create")(namespace, item)
+            except client.ApiException as error:
+                _unless(error, 409)
+                _child_call(kind, "patch")(
+                    name, namespace, item, _content_type="application/merge-patch+json"
+                )
         except client.ApiException as error:
-            _unless(error, 409)
-            _child_call(kind, "patch")(
-                name, namespace, item, _content_type="application/merge-patch+json"
-            )
+            refused("apply", kind, name, error)
     for kind, name in actions.delete_children:
         try:
             # Background: a Job's Pods go with it (a Job's default is to orphan them).
             _child_call(kind, "delete")(name, namespace, propagation_policy="Background")
         except client.ApiException as error:
-            _unless(error, 404)
-    for pod in actions.create_pods:
+            if error.status != 404:
+                refused("delete", kind, name, error)
+    hold_pods = any(failure.kind == "Service" for failure in failures)
+    for pod in [] if hold_pods else actions.create_pods:
         try:
             core.create_namespaced_pod(namespace, pod)
             changed.add(pod["metadata"]["name"])
         except client.ApiException as error:
-            _unless(error, 409)
+            if error.status != 409:
+                refused("create", "Pod", pod["metadata"]["name"], error)
     for name in actions.delete_pods:
         try:
             core.delete_namespaced_pod(name, namespace)
             changed.add(name)
         except client.ApiException as error:
-            _unless(error, 404)
-    return changed
+            if error.status != 404:
+                refused("delete", "Pod", name, error)
+    return changed, failures, hold_pods and bool(actions.create_pods)
 
 
 _locks_guard = threading.Lock()
@@ -185,23 +223,24 @@ def _patch_status(namespace: str, name: str, status: DiffusionDeploymentStatus) 
     )
 
 
-def sync(name: str, namespace: str) -> None:
-    """Bring one DiffusionDeployment's children and status in line with its spec."""
+def sync(name: str, namespace: str) -> list[ApplyFailure]:
+    """Bring one DiffusionDeployment's children and status in line with its spec; returns
+    what the API server refused (already in the status and the log)."""
     with _lock(namespace, name):
-        _sync(name, namespace)
+        return _sync(name, namespace)
 
 
-def _sync(name: str, namespace: str) -> None:
+def _sync(name: str, namespace: str) -> list[ApplyFailure]:
     objects = client.CustomObjectsApi(api())
     try:
         body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     except client.ApiException as error:
         if error.status == 404:
-            return
+            return []
         raise
     metadata = body["metadata"]
     if metadata.get("deletionTimestamp"):
-        return
+        return []
     generation = metadata.get("generation", 0)
     try:
         previous = DiffusionDeploymentStatus.model_validate(body.get("status") or {})
@@ -218,7 +257,7 @@ def _sync(name: str, namespace: str) -> None:
             DiffusionDeploymentStatus(observed_generation=generation, conditions=conditions),
         )
         _post(body, events, set())
-        return
+        return []
     pods = (
         client.CoreV1Api(api())
         .list_namespaced_pod(namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}")
@@ -231,16 +270,25 @@ def _sync(name: str, namespace: str) -> None:
     actions = reconcile(
         owner, spec, generation, observed, previous, children=children, nodes=nodes, jobs=jobs
     )
-    changed = _apply(namespace, actions)
-    _patch_status(namespace, name, actions.status)
-    _post(body, actions.events, changed)
+    changed, failures, pods_held_back = _apply(namespace, actions)
+    status, failure_events = report_apply_failures(
+        actions.status, previous, failures, generation, pods_held_back=pods_held_back
+    )
+    _patch_status(namespace, name, status)
+    _post(body, [*actions.events, *failure_events], changed)
+    return failures
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-def on_change(name: str, namespace: str, **_: Any) -> None:
-    sync(name, namespace)
+def on_change(name: str, namespace: str, retry: int, **_: Any) -> None:
+    """Retried with a growing delay while the API server refuses something (the status,
+    an Event and one log line per refusal already say what); the timer and Pod events
+    keep reconciling meanwhile."""
+    if failures := sync(name, namespace):
+        delay = min(MAX_RETRY_DELAY_S, 2.0 ** min(retry + 1, 6))
+        raise kopf.TemporaryError(f"{len(failures)} action(s) refused", delay=delay)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_INTERVAL_S)

@@ -3,8 +3,8 @@
 Engines are the unit of every action, as in LeaderWorkerSet: a collective cannot
 survive a lost rank, so a failed, evicted or missing Pod restarts its whole engine,
 a spec change replaces engines one at a time (only while every other engine is
-ready), and scaling adds or removes whole engines, highest index first. Pods are
-deleted ranks > 0 before rank 0 so the leader outlives its workers.
+ready), and scaling adds or removes whole engines, highest index first. An engine's
+leader (rank 0) is deleted first: it drives the drain and stops the other ranks.
 
 :func:`reconcile` is a chain of named steps over one :class:`_Pass`; each step adds
 actions and the Events that report them. An Event that reports actions names them
@@ -130,6 +130,55 @@ class Actions:
     """(kind, name) of children no longer rendered (scaled-down engines, disabled policies)."""
     status: DiffusionDeploymentStatus = field(default_factory=DiffusionDeploymentStatus)
     events: list[Event] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ApplyFailure:
+    """The API server refused one action (a quota, a full Service IP range, an admission
+    policy, ...); ``message`` is its own message."""
+
+    verb: str
+    kind: str
+    name: str
+    message: str
+
+
+REPLICA_FAILURE = "ReplicaFailure"
+"""The condition that reports refused actions (the name Deployments use for the same)."""
+
+
+def report_apply_failures(
+    status: DiffusionDeploymentStatus,
+    previous: DiffusionDeploymentStatus,
+    failures: list[ApplyFailure],
+    generation: int,
+    *,
+    pods_held_back: bool = False,
+) -> tuple[DiffusionDeploymentStatus, list[Event]]:
+    """``status`` with the :data:`REPLICA_FAILURE` condition for this pass, and the Warning
+    Event to post when it became true or its message changed (one per transition)."""
+    prior = {condition.type: condition for condition in previous.conditions}
+    if failures:
+        first = failures[0]
+        message = f"cannot {first.verb} {first.kind} {first.name}: {first.message}"
+        if len(failures) > 1:
+            message += f" (and {len(failures) - 1} more refused)"
+        if pods_held_back:
+            message += "; Pods are not created until their Services exist"
+        reason = "FailedCreate" if first.kind == "Pod" else "FailedApply"
+    else:
+        message, reason = "", "Applied"
+    condition = _condition(
+        prior,
+        REPLICA_FAILURE,
+        true=bool(failures),
+        reason=reason,
+        message=message,
+        generation=generation,
+    )
+    others = [c for c in status.conditions if c.type != REPLICA_FAILURE]
+    events = [Event(reason, message, warning=True)] if became(prior, condition) else []
+    return status.model_copy(update={"conditions": [*others, condition]}), events
 
 
 def _now() -> str:

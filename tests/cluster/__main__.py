@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from tests.cluster.build import Builder, BuildError
-from tests.cluster.control_plane import ClusterError, default_directory, down, up
+from tests.cluster.control_plane import SERVICE_CIDR, ClusterError, default_directory, down, up
 from tests.cluster.images import ImageBuilder
 
 
@@ -29,6 +29,11 @@ def main() -> int:
         default=0,
         help="real nodes (containerd + kubelet on this machine; root; default: 0)",
     )
+    parser.add_argument(
+        "--service-cidr",
+        default=SERVICE_CIDR,
+        help=f"the Service ClusterIP range (default: {SERVICE_CIDR})",
+    )
     args = parser.parse_args()
     try:
         if args.command == "build":
@@ -42,6 +47,7 @@ def main() -> int:
                 nodes=args.nodes,
                 gpus_per_node=args.gpus_per_node,
                 real_nodes=args.real_nodes,
+                service_cidr=args.service_cidr,
                 progress=_progress,
             )
             print(state.kubeconfig)

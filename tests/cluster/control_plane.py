@@ -31,6 +31,9 @@ from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
 LOOPBACK = "127.0.0.1"
+SERVICE_CIDR = "10.0.0.0/16"
+"""ClusterIPs: room for thousands of Services (the ``kubernetes`` Service takes 10.0.0.1,
+``kube-dns`` 10.0.0.10); tests that exhaust the range pass a small one."""
 GPU_RESOURCE = "nvidia.com/gpu"
 FAKE_NODE_LABEL = ("type", "kwok")
 
@@ -166,6 +169,7 @@ def up(
     nodes: int = 3,
     gpus_per_node: int = 8,
     real_nodes: int = 0,
+    service_cidr: str = SERVICE_CIDR,
     progress: Progress = print,
 ) -> ClusterState:
     """Start the control plane (or return the one already running in ``directory``), with
@@ -187,7 +191,14 @@ def up(
     pki = pki_module.generate(directory / "pki", serving_ips=(address,))
     launcher = _Launcher(directory, bin_dir)
     try:
-        state = _start_components(directory, pki, launcher, address, progress)
+        state = _start_components(
+            directory,
+            pki,
+            launcher,
+            address=address,
+            service_cidr=service_cidr,
+            progress=progress,
+        )
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
         if real_nodes:
             _start_real_nodes(state, launcher, real_nodes, progress)
@@ -201,7 +212,13 @@ def up(
 
 
 def _start_components(
-    directory: Path, pki: pki_module.Pki, launcher: _Launcher, address: str, progress: Progress
+    directory: Path,
+    pki: pki_module.Pki,
+    launcher: _Launcher,
+    *,
+    address: str,
+    service_cidr: str,
+    progress: Progress,
 ) -> ClusterState:
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
@@ -263,7 +280,7 @@ def _start_components(
             "--service-account-issuer",
             "https://kubernetes.default.svc.cluster.local",
             "--service-cluster-ip-range",
-            "10.0.0.0/24",
+            service_cidr,
             "--cert-dir",
             str(directory / "pki"),
             "--profiling=false",

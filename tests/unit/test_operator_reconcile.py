@@ -6,7 +6,14 @@ import dataclasses
 from typing import Any
 
 from dlo_operator.api import DiffusionDeploymentSpec, DiffusionDeploymentStatus
-from dlo_operator.reconcile import EnginePhase, ObservedChild, ObservedPod, reconcile
+from dlo_operator.reconcile import (
+    ApplyFailure,
+    EnginePhase,
+    ObservedChild,
+    ObservedPod,
+    reconcile,
+    report_apply_failures,
+)
 from dlo_operator.render import Owner, render_children, render_engine_pods, spec_hash
 from tests.support.deployments import deployment_spec
 
@@ -295,3 +302,41 @@ def test_a_roll_reports_update_in_progress_until_every_engine_is_ready_again() -
     assert conditions(done.status)["UpdateInProgress"] == "False"
     assert [e.reason for e in done.events] == ["RollingUpdateComplete"]
     assert reconcile(OWNER, new, 2, running(new, range(2)), done.status).events == []
+
+
+def test_a_refused_action_is_a_condition_with_the_api_servers_message_and_one_event() -> None:
+    desired = spec()
+    actions = reconcile(OWNER, desired, 1, [], DiffusionDeploymentStatus())
+    quota = ApplyFailure(
+        "create", "Pod", "flux-e1-n0", 'pods "flux-e1-n0" is forbidden: exceeded quota: gpus'
+    )
+    status, events = report_apply_failures(actions.status, DiffusionDeploymentStatus(), [quota], 1)
+    (failure,) = [c for c in status.conditions if c.type == "ReplicaFailure"]
+    assert (failure.status, failure.reason) == ("True", "FailedCreate")
+    assert failure.message == f"cannot create Pod flux-e1-n0: {quota.message}"
+    assert [(e.reason, e.warning) for e in events] == [("FailedCreate", True)]
+    # The same refusal on the next pass: same condition, no second Event.
+    again, events = report_apply_failures(actions.status, status, [quota], 1)
+    assert events == []
+    assert [c for c in again.conditions if c.type == "ReplicaFailure"] == [failure]
+    # Everything applied: the condition turns False, still without an Event.
+    cleared, events = report_apply_failures(actions.status, again, [], 1)
+    (failure,) = [c for c in cleared.conditions if c.type == "ReplicaFailure"]
+    assert (failure.status, failure.reason, events) == ("False", "Applied", [])
+
+
+def test_pods_held_back_for_a_refused_service_are_named_in_the_message() -> None:
+    full = ApplyFailure("apply", "Service", "flux", "failed to allocate a serviceIP: range is full")
+    status, _ = report_apply_failures(
+        DiffusionDeploymentStatus(),
+        DiffusionDeploymentStatus(),
+        [full, full],
+        1,
+        pods_held_back=True,
+    )
+    (failure,) = status.conditions
+    assert failure.reason == "FailedApply"
+    assert failure.message == (
+        "cannot apply Service flux: failed to allocate a serviceIP: range is full "
+        "(and 1 more refused); Pods are not created until their Services exist"
+    )

@@ -1,0 +1,214 @@
+"""The API server refuses what the operator applies, and the user can read why: a
+ResourceQuota with room for only part of the GPUs, a ValidatingAdmissionPolicy that
+refuses worker Pods, and a Service ClusterIP range that is full. Each shows as the
+``ReplicaFailure`` condition with the API server's own message and one Warning Event,
+and the deployment recovers by itself once the cause is gone."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from dlo_operator.api import GROUP, PLURAL, VERSION
+from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.helpers import create, events, eventually, manifest, running_operator
+
+
+def _status(api_client, namespace: str, name: str) -> dict:
+    body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name
+    )
+    return body.get("status") or {}
+
+
+def replica_failure(api_client, namespace: str, name: str) -> dict | None:
+    conditions = _status(api_client, namespace, name).get("conditions", [])
+    return next((c for c in conditions if c["type"] == "ReplicaFailure"), None)
+
+
+def refused(api_client, namespace: str, name: str, fragment: str) -> dict | None:
+    condition = replica_failure(api_client, namespace, name)
+    if condition and condition["status"] == "True" and fragment in condition["message"]:
+        return condition
+    return None
+
+
+def cleared(api_client, namespace: str, name: str) -> bool:
+    condition = replica_failure(api_client, namespace, name)
+    return bool(condition) and condition["status"] == "False"
+
+
+def worker_pods(api_client, namespace: str) -> list[str]:
+    return sorted(
+        pod.metadata.name
+        for pod in client.CoreV1Api(api_client).list_namespaced_pod(namespace).items
+        if not pod.metadata.deletion_timestamp
+    )
+
+
+@pytest.fixture
+def operator(cluster, crd, namespace, tmp_path: Path) -> Iterator[Path]:
+    log = tmp_path / "operator.log"
+    with running_operator(cluster.kubeconfig, log):
+        yield log
+
+
+def assert_one_line_per_refusal(log: Path) -> None:
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert "the API server refused to" in text
+
+
+def test_a_gpu_quota_with_room_for_one_engine_is_reported_and_recovers(
+    api_client, operator: Path, namespace: str
+) -> None:
+    core = client.CoreV1Api(api_client)
+    quota = client.V1ResourceQuota(
+        metadata=client.V1ObjectMeta(name="gpus"),
+        spec=client.V1ResourceQuotaSpec(hard={"requests.nvidia.com/gpu": "2"}),
+    )
+    core.create_namespaced_resource_quota(namespace, quota)
+    eventually(
+        lambda: core.read_namespaced_resource_quota("gpus", namespace).status.hard,
+        60,
+        "the quota's status",
+    )
+    # Two engines of one Pod with two GPUs each: the quota admits one of them.
+    create(api_client, namespace, manifest("flux", replicas=2))
+    condition = eventually(
+        lambda: refused(api_client, namespace, "flux", "exceeded quota"), 60, "ReplicaFailure"
+    )
+    assert condition["reason"] == "FailedCreate"
+    assert condition["message"].startswith("cannot create Pod flux-e")
+    assert len(worker_pods(api_client, namespace)) == 1
+    time.sleep(25)  # two timer periods of refusals: still one Event for this transition
+    assert events(api_client, namespace, "flux").count("FailedCreate") == 1
+    assert_one_line_per_refusal(operator)
+
+    core.patch_namespaced_resource_quota(
+        "gpus", namespace, {"spec": {"hard": {"requests.nvidia.com/gpu": "4"}}}
+    )
+    eventually(lambda: len(worker_pods(api_client, namespace)) == 2, 90, "the second engine")
+    eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
+
+
+def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
+    api_client, operator: Path, namespace: str
+) -> None:
+    admission = client.AdmissionregistrationV1Api(api_client)
+    policy_name = f"no-workers-{uuid.uuid4().hex[:6]}"
+    admission.create_validating_admission_policy(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": policy_name},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {
+                    "resourceRules": [
+                        {
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "operations": ["CREATE"],
+                            "resources": ["pods"],
+                        }
+                    ]
+                },
+                "validations": [
+                    {
+                        "expression": "!has(object.metadata.labels) || "
+                        "!('dlo.dev/deployment' in object.metadata.labels)",
+                        "message": "worker Pods need an approved node pool here",
+                    }
+                ],
+            },
+        }
+    )
+    admission.create_validating_admission_policy_binding(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": policy_name},
+            "spec": {
+                "policyName": policy_name,
+                "validationActions": ["Deny"],
+                "matchResources": {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                },
+            },
+        }
+    )
+    try:
+        time.sleep(2)  # the API server loads new policies within a second
+        create(api_client, namespace, manifest("flux"))
+        condition = eventually(
+            lambda: refused(api_client, namespace, "flux", "need an approved node pool"),
+            60,
+            "ReplicaFailure from the policy",
+        )
+        assert "ValidatingAdmissionPolicy" in condition["message"]
+        assert worker_pods(api_client, namespace) == []
+        assert events(api_client, namespace, "flux").count("FailedCreate") == 1
+        assert_one_line_per_refusal(operator)
+    finally:
+        admission.delete_validating_admission_policy_binding(policy_name)
+        admission.delete_validating_admission_policy(policy_name)
+    eventually(lambda: worker_pods(api_client, namespace) == ["flux-e0-n0"], 90, "the Pod")
+    eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
+
+
+@pytest.fixture(scope="module")
+def small_service_range(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    """A control plane whose Service range holds 14 ClusterIPs (the kubernetes Service
+    takes one)."""
+    directory = tmp_path_factory.mktemp("small-service-range")
+    state = up(directory, nodes=1, service_cidr="10.0.0.0/28", progress=lambda _line: None)
+    try:
+        yield state
+    finally:
+        down(directory, progress=lambda _line: None)
+
+
+def test_a_full_service_range_holds_the_pods_back_and_says_so(
+    small_service_range: ClusterState, tmp_path: Path
+) -> None:
+    from dlo_operator.crd import custom_resource_definition
+
+    api_client = config.new_client_from_config(config_file=small_service_range.kubeconfig)
+    client.ApiextensionsV1Api(api_client).create_custom_resource_definition(
+        custom_resource_definition()
+    )
+    core = client.CoreV1Api(api_client)
+    namespace = "full"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+
+    def filler(index: int) -> client.V1Service:
+        return client.V1Service(
+            metadata=client.V1ObjectMeta(name=f"filler-{index}"),
+            spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=80)]),
+        )
+
+    for index in range(13):  # 14 addresses, the kubernetes Service holds one
+        core.create_namespaced_service(namespace, filler(index))
+    with pytest.raises(client.ApiException, match="range is full"):
+        core.create_namespaced_service(namespace, filler(13))
+    log = tmp_path / "operator.log"
+    with running_operator(small_service_range.kubeconfig, log):
+        create(api_client, namespace, manifest("flux", gpusPerNode=1, parallelism={"data": 1}))
+        condition = eventually(
+            lambda: refused(api_client, namespace, "flux", "range is full"), 90, "ReplicaFailure"
+        )
+        assert condition["reason"] == "FailedApply"
+        assert condition["message"].startswith("cannot apply Service flux:")
+        assert condition["message"].endswith("Pods are not created until their Services exist")
+        assert worker_pods(api_client, namespace) == []
+        assert_one_line_per_refusal(log)
+
+        core.delete_namespaced_service("filler-0", namespace)
+        eventually(lambda: worker_pods(api_client, namespace) == ["flux-e0-n0"], 90, "the Pod")
+        eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
