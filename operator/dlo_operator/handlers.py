@@ -216,8 +216,17 @@ def _lock(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
-def _patch_status(namespace: str, name: str, status: DiffusionDeploymentStatus) -> None:
+def _patch_status(
+    namespace: str,
+    name: str,
+    status: DiffusionDeploymentStatus,
+    current: dict[str, Any] | None = None,
+) -> None:
+    """Patch the status unless it equals ``current`` (the object's status as read): a
+    steady deployment then costs no write per timer tick."""
     body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if current is not None and body == current:
+        return
     client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": body}
     )
@@ -274,7 +283,7 @@ def _sync(name: str, namespace: str) -> list[ApplyFailure]:
     status, failure_events = report_apply_failures(
         actions.status, previous, failures, generation, pods_held_back=pods_held_back
     )
-    _patch_status(namespace, name, status)
+    _patch_status(namespace, name, status, body.get("status") or {})
     _post(body, [*actions.events, *failure_events], changed)
     return failures
 

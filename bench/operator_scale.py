@@ -1,0 +1,211 @@
+"""The operator under N DiffusionDeployments on the local control plane (kwok GPU nodes).
+
+Creates N deployments of one 1-GPU engine each, with the operator run as a process with
+the arguments the chart renders (cluster-wide), and prints:
+
+- the time from the first create until every deployment is Available;
+- the operator's CPU seconds and RSS by then;
+- at steady state (everything Available, over ``--steady-s`` seconds): the operator's share
+  of a core, and API requests per second from the API server's ``apiserver_request_total``:
+  all of them, and those of the verbs and resources the operator uses (kwok's node and Pod
+  status traffic is in the first figure only).
+
+    python bench/operator_scale.py --deployments 100 500 1000
+
+Goal (issue 17): 1000 deployments Available in under 60 s on a 2-core machine, and at
+steady state API calls per timer period independent of N and under 10% of a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from kubernetes import client, config
+
+from dlo_operator.api import GROUP, PLURAL, VERSION
+from dlo_operator.crd import custom_resource_definition
+from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.helpers import chart_operator_arguments, eventually, manifest
+from tests.support.ports import free_port
+
+GPUS_PER_NODE = 8
+OPERATOR_RESOURCES = (
+    ("GET", "diffusiondeployments"),
+    ("PATCH", "diffusiondeployments"),
+    ("LIST", "pods"),
+    ("POST", "pods"),
+    ("LIST", "services"),
+    ("POST", "services"),
+    ("LIST", "poddisruptionbudgets"),
+    ("POST", "poddisruptionbudgets"),
+    ("LIST", "networkpolicies"),
+    ("POST", "networkpolicies"),
+    ("LIST", "jobs"),
+    ("POST", "events"),
+)
+_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$")
+
+
+def request_totals(state: ClusterState) -> dict[tuple[str, str], float]:
+    """``apiserver_request_total`` summed by (verb, resource)."""
+    pki = Path(state.directory) / "pki"
+    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    context.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    text = urllib.request.urlopen(f"{state.server}/metrics", context=context).read().decode()
+    totals: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if match := _SAMPLE.match(line):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+            key = (labels.get("verb", ""), labels.get("resource", ""))
+            totals[key] = totals.get(key, 0.0) + float(match["value"])
+    return totals
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def available_count(objects: client.CustomObjectsApi) -> int:
+    items = objects.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+    return sum(
+        any(
+            c["type"] == "Available" and c["status"] == "True"
+            for c in (item.get("status") or {}).get("conditions", [])
+        )
+        for item in items
+    )
+
+
+def run_once(count: int, steady_s: float, work: Path) -> dict:
+    nodes = -(-count // GPUS_PER_NODE) + 1
+    directory = work / f"cluster-{count}"
+    state = up(directory, nodes=nodes, gpus_per_node=GPUS_PER_NODE, progress=lambda _l: None)
+    try:
+        api = config.new_client_from_config(config_file=state.kubeconfig)
+        client.ApiextensionsV1Api(api).create_custom_resource_definition(
+            custom_resource_definition()
+        )
+        time.sleep(3)  # the CRD established and discovered
+        port = free_port()
+        arguments = chart_operator_arguments(f"livenessPort={port}")
+        log = (directory / "operator.log").open("w")
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "dlo_operator", *arguments],
+            env={**os.environ, "KUBECONFIG": state.kubeconfig},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            eventually(
+                lambda: _healthy(f"http://127.0.0.1:{port}/healthz"), 60, "operator liveness"
+            )
+            core, objects = client.CoreV1Api(api), client.CustomObjectsApi(api)
+            namespaces = [f"scale-{i}" for i in range(-(-count // 100))]
+            for namespace in namespaces:
+                core.create_namespace(
+                    client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+                )
+            cpu_before = cpu_seconds(operator.pid)
+            started = time.monotonic()
+
+            def create(index: int) -> None:
+                body = manifest(f"d{index}", gpusPerNode=1, parallelism={"data": 1})
+                objects.create_namespaced_custom_object(
+                    GROUP, VERSION, namespaces[index // 100], PLURAL, body
+                )
+
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(create, range(count)))
+            created_s = time.monotonic() - started
+            while (ready := available_count(objects)) < count:
+                if time.monotonic() - started > 1800:
+                    raise TimeoutError(f"{ready}/{count} Available after 30 min")
+                time.sleep(1)
+            available_s = time.monotonic() - started
+            cpu_to_available = cpu_seconds(operator.pid) - cpu_before
+            rss_at_available = rss_mib(operator.pid)
+
+            totals_before, cpu_steady = request_totals(state), cpu_seconds(operator.pid)
+            time.sleep(steady_s)
+            totals_after = request_totals(state)
+            cpu_share = (cpu_seconds(operator.pid) - cpu_steady) / steady_s
+            delta = {k: totals_after[k] - totals_before.get(k, 0.0) for k in totals_after}
+            operator_calls = sum(delta.get(key, 0.0) for key in OPERATOR_RESOURCES)
+            return {
+                "deployments": count,
+                "kwok_nodes": nodes,
+                "created_s": created_s,
+                "available_s": available_s,
+                "operator_cpu_s_to_available": cpu_to_available,
+                "operator_rss_mib": rss_at_available,
+                "steady_s": steady_s,
+                "steady_operator_core_share": cpu_share,
+                "steady_api_requests_per_s": sum(delta.values()) / steady_s,
+                "steady_operator_api_requests_per_s": operator_calls / steady_s,
+                "steady_operator_requests": {
+                    f"{verb} {resource}": delta.get((verb, resource), 0.0) / steady_s
+                    for verb, resource in OPERATOR_RESOURCES
+                    if delta.get((verb, resource))
+                },
+            }
+        finally:
+            operator.terminate()
+            operator.wait(timeout=60)
+            log.close()
+    finally:
+        down(directory, progress=lambda _l: None)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return urllib.request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deployments", type=int, nargs="+", default=[100, 500, 1000])
+    parser.add_argument("--steady-s", type=float, default=60.0)
+    parser.add_argument("--json", type=Path, help="Also write the results as JSON here.")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dlo-scale-") as work:
+        for count in args.deployments:
+            row = run_once(count, args.steady_s, Path(work))
+            results.append(row)
+            print(
+                f"{count} deployments ({row['kwok_nodes']} kwok nodes): created in "
+                f"{row['created_s']:.1f} s, all Available after {row['available_s']:.1f} s "
+                f"(goal < 60 s for 1000); operator {row['operator_cpu_s_to_available']:.1f} "
+                f"CPU s to get there, RSS {row['operator_rss_mib']:.0f} MiB | steady state: "
+                f"operator {row['steady_operator_core_share'] * 100:.1f}% of a core "
+                f"(goal < 10%), API {row['steady_api_requests_per_s']:.1f} req/s in all, "
+                f"{row['steady_operator_api_requests_per_s']:.1f} req/s of the operator's kinds",
+                flush=True,
+            )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
