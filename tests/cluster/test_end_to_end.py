@@ -315,9 +315,12 @@ def test_a_spec_change_rolls_one_engine_at_a_time_and_no_request_fails(
             current = serving(deployment)
             return bool(current) and not set(uids(current).values()) & set(before.values())
 
+        roll_started = time.monotonic()
         eventually(rolled, 600, "both engines rolled to the new spec")
+        roll_s = time.monotonic() - roll_started
         time.sleep(3)
     failed = [outcome for outcome in loop.outcomes if outcome != "ok"]
+    print(f"roll: {roll_s:.0f} s, {len(loop.outcomes)} requests, {len(failed)} failed")
     assert len(loop.outcomes) >= 5, loop.outcomes
     assert failed == [], f"{len(failed)} of {len(loop.outcomes)} requests failed: {failed[:5]}"
     assert engines_down_together == []
@@ -355,6 +358,7 @@ def test_kubectl_delete_drains_each_engine_in_order_within_the_grace_period(
     started = time.monotonic()
     deleted = deployment.kubectl("delete", "-n", NAMESPACE, "diffusiondeployment", NAME)
     took = time.monotonic() - started
+    print(f"kubectl delete returned after {took:.1f} s (grace period {GRACE_S} s)")
     assert deleted.returncode == 0, deleted.stderr
     assert deployment.pods() == []
     assert took < GRACE_S, took
