@@ -51,6 +51,8 @@ class Component:
     started: str
     """The process start time from /proc, so a recycled pid is never signalled."""
     log: str
+    command: list[str] = field(default_factory=list)
+    """What started it, so :func:`restart` can start it again."""
 
 
 @dataclass
@@ -147,20 +149,60 @@ class _Launcher:
         """Start ``name`` (from the bin directory, or ``executable``) in its own session."""
         log = self.directory / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as stream:
-            process = subprocess.Popen(
-                [executable or str(self.bin / name.split("@", maxsplit=1)[0]), *arguments],
-                stdout=stream,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=self.directory,
-            )
-        time.sleep(0.05)
-        self.components.append(
-            Component(name, process.pid, _start_time(process.pid) or "", str(log))
-        )
+        command = [executable or str(self.bin / name.split("@", maxsplit=1)[0]), *arguments]
+        self.components.append(_spawn(name, command, log, self.directory))
         return log
+
+
+def _spawn(name: str, command: list[str], log: Path, directory: Path) -> Component:
+    with log.open("ab") as stream:
+        process = subprocess.Popen(
+            command,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=directory,
+        )
+    time.sleep(0.05)
+    return Component(name, process.pid, _start_time(process.pid) or "", str(log), command)
+
+
+def _stop(component: Component, timeout_s: float = 15) -> None:
+    """SIGTERM the component's process group, SIGKILL it after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(component.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while is_running(component) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if is_running(component):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(component.pid, signal.SIGKILL)
+
+
+def restart(state: ClusterState, name: str, *, down_s: float = 0.0) -> None:
+    """Stop the component ``name`` and start it again with the same command after
+    ``down_s`` seconds (the kube-apiserver: waits until it is ready again)."""
+    index = next(i for i, c in enumerate(state.components) if c.name == name)
+    component = state.components[index]
+    _stop(component)
+    time.sleep(down_s)
+    directory = Path(state.directory)
+    state.components[index] = _spawn(name, component.command, Path(component.log), directory)
+    state.save()
+    if name == "kube-apiserver":
+        pki = pki_module.Pki(directory / "pki")
+        context = ssl.create_default_context(cafile=str(pki.ca_cert))
+        context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+        _wait(
+            lambda: (
+                urllib.request.urlopen(f"{state.server}/readyz", context=context, timeout=5).status
+                == 200
+            ),
+            180,
+            "kube-apiserver",
+            Path(component.log),
+        )
 
 
 def up(
@@ -405,14 +447,7 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
         if not is_running(component):
             continue
         progress(f"stopping {component.name}")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(component.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        while is_running(component) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if is_running(component):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(component.pid, signal.SIGKILL)
+        _stop(component)
     for plan in state.real_nodes:
         progress(f"cleaning real node {plan['index']}")
         nodes.clean_node(nodes.NodePlan.from_record(plan))

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import ClusterState, down, up
+from tests.cluster.control_plane import ClusterState, down, restart, up
 from tests.cluster.helpers import create, events, eventually, manifest, running_operator
 
 
@@ -212,3 +212,49 @@ def test_a_full_service_range_holds_the_pods_back_and_says_so(
         core.delete_namespaced_service("filler-0", namespace)
         eventually(lambda: worker_pods(api_client, namespace) == ["flux-e0-n0"], 90, "the Pod")
         eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    """A control plane of its own: its API server is restarted."""
+    directory = tmp_path_factory.mktemp("restartable")
+    state = up(directory, nodes=1, progress=lambda _line: None)
+    try:
+        yield state
+    finally:
+        down(directory, progress=lambda _line: None)
+
+
+def test_an_api_server_restart_while_reconciling_duplicates_nothing(
+    restartable: ClusterState, tmp_path: Path
+) -> None:
+    from dlo_operator.crd import custom_resource_definition
+
+    api_client = config.new_client_from_config(config_file=restartable.kubeconfig)
+    client.ApiextensionsV1Api(api_client).create_custom_resource_definition(
+        custom_resource_definition()
+    )
+    namespace = "restart"
+    client.CoreV1Api(api_client).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+    )
+    engines = 4  # one Pod of two GPUs each: the node's 8 GPUs
+    with running_operator(restartable.kubeconfig, tmp_path / "operator.log"):
+        create(api_client, namespace, manifest("flux", replicas=engines))
+        eventually(lambda: worker_pods(api_client, namespace), 60, "the first Pods")
+        assert _status(api_client, namespace, "flux").get("readyReplicas", 0) < engines
+        restart(restartable, "kube-apiserver", down_s=3)
+
+        def settled() -> dict | None:
+            status = _status(api_client, namespace, "flux")
+            return status if status.get("readyReplicas") == engines else None
+
+        status = eventually(settled, 120, "every engine Ready after the restart")
+    assert worker_pods(api_client, namespace) == [f"flux-e{e}-n0" for e in range(engines)]
+    assert [engine["restarts"] for engine in status["engines"]] == [0] * engines
+    body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "flux"
+    )
+    assert status["observedGeneration"] == body["metadata"]["generation"]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Available"] == "True"
+    assert events(api_client, namespace, "flux").count("EngineCreated") <= engines
