@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -46,6 +48,9 @@ from dlo_operator.warming import ObservedJob, ObservedNode, warming_enabled
 
 ANNOTATION_PREFIX = GROUP
 TIMER_INTERVAL_S = 10.0
+"""How often each deployment's timer asks whether a pass is due."""
+RESYNC_S = 300.0
+"""A full pass at least this often without any event (drift the watches did not see)."""
 MAX_RETRY_DELAY_S = 60.0
 
 logger = logging.getLogger(__name__)
@@ -232,11 +237,31 @@ def _patch_status(
     )
 
 
+@dataclass(frozen=True)
+class _LastPass:
+    at: float
+    """``time.monotonic()`` when it ended."""
+    refused: bool
+
+
+_last_passes: dict[tuple[str, str], _LastPass] = {}
+
+
 def sync(name: str, namespace: str) -> list[ApplyFailure]:
     """Bring one DiffusionDeployment's children and status in line with its spec; returns
     what the API server refused (already in the status and the log)."""
     with _lock(namespace, name):
-        return _sync(name, namespace)
+        failures = _sync(name, namespace)
+        _last_passes[(namespace, name)] = _LastPass(time.monotonic(), bool(failures))
+        return failures
+
+
+def pass_due(last: _LastPass | None, now: float, *, warming: bool) -> bool:
+    """Whether the timer runs a pass: events (the resource, its Pods, Jobs and children)
+    trigger passes as things change, so a steady deployment needs one only every
+    :data:`RESYNC_S`; sooner after a refusal (the retry), and every tick while warm Jobs
+    track the nodes (a new node is not an event of this deployment)."""
+    return last is None or last.refused or warming or now - last.at >= RESYNC_S
 
 
 def _sync(name: str, namespace: str) -> list[ApplyFailure]:
@@ -301,8 +326,10 @@ def on_change(name: str, namespace: str, retry: int, **_: Any) -> None:
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_INTERVAL_S)
-def on_timer(name: str, namespace: str, **_: Any) -> None:
-    sync(name, namespace)
+def on_timer(name: str, namespace: str, spec: Any, **_: Any) -> None:
+    cache = ((spec.get("offload") or {}).get("runtimeCache") or {}).get("enabled", False)
+    if pass_due(_last_passes.get((namespace, name)), time.monotonic(), warming=bool(cache)):
+        sync(name, namespace)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
@@ -330,6 +357,18 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
 def on_pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
     sync(labels[LABEL_DEPLOYMENT], namespace)
+
+
+@kopf.on.event("", "v1", "services", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+@kopf.on.event(
+    "networking.k8s.io", "v1", "networkpolicies", labels={LABEL_DEPLOYMENT: kopf.PRESENT}
+)
+def on_child_event(labels: dict[str, str], namespace: str, **kwargs: Any) -> None:
+    """Someone changed or deleted a child: restore it now, not at the next resync. (The
+    operator's own creations, ADDED, need no pass.)"""
+    if kwargs["type"] in ("MODIFIED", "DELETED"):
+        sync(labels[LABEL_DEPLOYMENT], namespace)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

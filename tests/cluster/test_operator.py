@@ -408,3 +408,30 @@ def test_children_no_longer_rendered_are_removed(api_client, operator, namespace
         60,
         "NetworkPolicies deleted",
     )
+
+
+def test_a_child_deleted_by_someone_else_is_restored_at_once(
+    api_client, operator, namespace
+) -> None:
+    """The operator watches its Services, budgets and policies: a deleted one comes back
+    on its event, long before the resync."""
+    create(api_client, namespace, manifest("flux"))
+    core = client.CoreV1Api(api_client)
+    first = eventually(
+        lambda: next(
+            (s for s in core.list_namespaced_service(namespace).items if s.metadata.name == "flux"),
+            None,
+        ),
+        60,
+        "the client Service",
+    )
+    time.sleep(2)  # the creation's own passes are over
+    core.delete_namespaced_service("flux", namespace)
+    started = time.monotonic()
+
+    def restored() -> bool:
+        services = {s.metadata.name: s for s in core.list_namespaced_service(namespace).items}
+        return "flux" in services and services["flux"].metadata.uid != first.metadata.uid
+
+    eventually(restored, 30, "the client Service restored")
+    assert time.monotonic() - started < 8  # a watch event, not the 10 s timer or the resync
