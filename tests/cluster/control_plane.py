@@ -17,13 +17,14 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.cluster import nodes
+from tests.cluster import babysitter, nodes
 from tests.cluster import pki as pki_module
 from tests.cluster.build import NODE_BINARIES, Builder, cache_root
 from tests.cluster.nodes import host_address
@@ -104,7 +105,15 @@ def is_running(component: Component) -> bool:
     return len(fields) > 19 and fields[0] != "Z" and fields[19] == component.started
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float, what: str, log: Path | None) -> None:
+def _wait(
+    condition: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    log: Path | None,
+    explain: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``condition``; on timeout raise, naming the log and, where ``explain`` is given,
+    carrying what it says (a CI record shows the exception, not the log files)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
@@ -112,7 +121,27 @@ def _wait(condition: Callable[[], bool], timeout_s: float, what: str, log: Path 
                 return
         time.sleep(0.5)
     hint = f"; see {log}" if log else ""
-    raise ClusterError(f"{what} not ready after {timeout_s:.0f} s{hint}")
+    details = ""
+    if explain is not None:
+        try:
+            details = "\n" + explain()
+        except Exception as error:  # the report must not hide the timeout
+            details = f"\n(no details: {error!r})"
+    raise ClusterError(f"{what} not ready after {timeout_s:.0f} s{hint}{details}")
+
+
+def log_excerpt(text: str, lines: int = 12, width: int = 300) -> str:
+    """The last errors of a klog log (``E``/``F`` lines) and babysitter restarts, or its
+    last lines when it has none: what a report needs to say why a component is not ready."""
+    every = text.splitlines()
+    notable = [
+        line
+        for line in every
+        if line.startswith(babysitter.RESTART_MARK)
+        or (len(line) > 5 and line[0] in "EF" and line[1:5].isdigit())
+    ]
+    chosen = (notable or every)[-lines:]
+    return "\n".join(f"    {line[:width]}" for line in chosen)
 
 
 def kubeconfig_document(server: str, pki: pki_module.Pki) -> dict:
@@ -145,11 +174,22 @@ class _Launcher:
         self.bin = bin_dir
         self.components: list[Component] = []
 
-    def start(self, name: str, arguments: list[str], executable: str | None = None) -> Path:
-        """Start ``name`` (from the bin directory, or ``executable``) in its own session."""
+    def start(
+        self,
+        name: str,
+        arguments: list[str],
+        executable: str | None = None,
+        *,
+        supervised: bool = False,
+    ) -> Path:
+        """Start ``name`` (from the bin directory, or ``executable``) in its own session;
+        ``supervised``: under :mod:`tests.cluster.babysitter`, which restarts it whenever it
+        exits (the node agents: a stock node's systemd does the same)."""
         log = self.directory / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         command = [executable or str(self.bin / name.split("@", maxsplit=1)[0]), *arguments]
+        if supervised:
+            command = [sys.executable, babysitter.__file__, "--", *command]
         self.components.append(_spawn(name, command, log, self.directory))
         return log
 
@@ -443,9 +483,18 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
     state = ClusterState.load(directory)
     if state is None:
         return
+    plans = {
+        nodes.NodePlan.from_record(record).name: nodes.NodePlan.from_record(record)
+        for record in state.real_nodes
+    }
     for component in reversed(state.components):
         if not is_running(component):
             continue
+        kind, _, node = component.name.partition("@")
+        if kind == "containerd" and node in plans:
+            # The kubelet has stopped; the store is kept for its images, not its containers.
+            with contextlib.suppress(Exception):
+                nodes.remove_containers(plans[node])
         progress(f"stopping {component.name}")
         _stop(component)
     for plan in state.real_nodes:
@@ -511,8 +560,23 @@ def _start_real_nodes(
             f"containerd@{plan.name}",
             ["--config", str(containerd_toml)],
             executable=shutil.which("containerd"),
+            supervised=True,
         )
-        _wait(plan.socket.exists, 60, f"containerd of {plan.name}", log)
+        _wait(
+            lambda plan=plan: nodes.containerd_answers(plan), 60, f"containerd of {plan.name}", log
+        )
+        state.components = launcher.components
+        if removed := nodes.remove_containers(plan):
+            # What a killed earlier cluster left in the kept store: a new node starts with
+            # none, and the CRI plugin reads its containers only when containerd starts.
+            progress(f"removed {removed} containers an earlier cluster left on {plan.name}")
+            restart(state, f"containerd@{plan.name}")
+            _wait(
+                lambda plan=plan: nodes.containerd_answers(plan),
+                60,
+                f"containerd of {plan.name}",
+                log,
+            )
         nodes.import_images(
             plan, {image.reference: image.archive for image in images.values()}, progress
         )
@@ -533,6 +597,7 @@ def _start_real_nodes(
                 "--node-ip",
                 address,
             ],
+            supervised=True,
         )
         state.components = launcher.components
         state.save()
@@ -558,6 +623,7 @@ def _start_real_nodes(
             "--healthz-bind-address",
             f"127.0.0.1:{free_port()}",
         ],
+        supervised=True,
     )
     state.components = launcher.components
     state.save()
@@ -570,5 +636,35 @@ def _start_real_nodes(
             ready += conditions.get("Ready") == "True"
         return ready == count
 
-    kubelet_log = Path(launcher.components[-2].log)
-    _wait(all_ready, 180, f"{count} real nodes", kubelet_log)
+    def explain() -> str:
+        """Per node: its Ready condition, whether its kubelet runs, how often it was
+        restarted, and the last errors of its log."""
+        found = {
+            node.metadata.name: node
+            for node in api.list_node(label_selector="=".join(nodes.REAL_NODE_LABEL)).items
+        }
+        parts = []
+        for component in launcher.components:
+            if not component.name.startswith("kubelet@"):
+                continue
+            name = component.name.split("@", 1)[1]
+            ready = (
+                next((c for c in (found[name].status.conditions or []) if c.type == "Ready"), None)
+                if name in found
+                else None
+            )
+            condition = (
+                f"Ready={ready.status} ({ready.reason}: {ready.message})"
+                if ready
+                else "no Node object"
+            )
+            text = Path(component.log).read_text(errors="replace")
+            restarts = text.count(babysitter.RESTART_MARK)
+            state = "running" if is_running(component) else "exited"
+            parts.append(
+                f"  {name}: {condition}; babysitter {state}, kubelet restarted {restarts} "
+                f"times; last errors of {component.log}:\n{log_excerpt(text)}"
+            )
+        return "\n".join(parts)
+
+    _wait(all_ready, 180, f"{count} real nodes", None, explain)

@@ -378,6 +378,24 @@ def _ctr(plan: NodePlan, *arguments: str) -> str:
     return result.stdout
 
 
+def containerd_answers(plan: NodePlan) -> bool:
+    """containerd serves on the node's socket (the socket file alone may be a stale one)."""
+    command = ["ctr", "--address", str(plan.socket), "version"]
+    return subprocess.run(command, capture_output=True, check=False, timeout=10).returncode == 0
+
+
+def remove_containers(plan: NodePlan) -> int:
+    """Delete every container (and its task) in the node's store, which is kept across
+    clusters for its images; returns how many there were."""
+    for task in _ctr(plan, "tasks", "ls", "-q").split():
+        with contextlib.suppress(BuildError):
+            _ctr(plan, "tasks", "delete", "--force", task)
+    containers = _ctr(plan, "containers", "ls", "-q").split()
+    if containers:
+        _ctr(plan, "containers", "delete", *containers)
+    return len(containers)
+
+
 def import_images(plan: NodePlan, images: dict[str, Path], progress: Progress) -> None:
     """Remove every image but ``images`` (waiting for containerd to collect their content,
     so a rebuilt worker image never sits twice on disk), then import those it lacks."""

@@ -1,10 +1,13 @@
 """Real nodes: the kubelets of ``up --real-nodes`` run Pods of the images built from
 docker/*.Dockerfile in containerd. A worker Pod, with the user the operator renders,
 generates the same PNG bytes as ``dlo-worker`` on the host; Pods on two nodes reach each
-other by Pod IP; ``down`` leaves no process, mount, cgroup or bridge behind."""
+other by Pod IP; a kubelet that exits is started again; ``down`` leaves no process, mount,
+cgroup or bridge behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
+from tests.cluster import babysitter
 from tests.cluster.control_plane import ClusterState
 from tests.cluster.helpers import eventually
 from tests.cluster.images import ImageBuilder
@@ -143,3 +147,30 @@ def test_a_service_reaches_its_pod_on_another_real_node(core, namespace: str) ->
     )
     assert finished(core, namespace, "probe", 180) == "Succeeded"
     assert core.read_namespaced_pod_log("probe", namespace).strip() == "200"
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(child) for child in path.read_text().split()] if path.exists() else []
+
+
+def test_a_kubelet_that_exits_is_started_again_and_its_node_runs_pods(
+    real_cluster: ClusterState, core, namespace: str
+) -> None:
+    """The kubelet exits by design when cAdvisor or its container manager cannot start and
+    relies on a babysitter; the local nodes have one, as a stock node has systemd."""
+    component = next(c for c in real_cluster.components if c.name == "kubelet@dlo-real-1")
+    (first,) = _children(component.pid)
+    os.kill(first, signal.SIGKILL)
+    restarted = eventually(
+        lambda: [pid for pid in _children(component.pid) if pid != first], 30, "a new kubelet"
+    )
+    assert len(restarted) == 1
+    restarts = Path(component.log).read_text().split(babysitter.RESTART_MARK)[1:]
+    assert restarts
+    assert "exited with code -9" in restarts[-1]
+    base = ImageBuilder().pause.reference
+    core.create_namespaced_pod(namespace, pod("after", "dlo-real-1", base, ["true"]))
+    assert finished(core, namespace, "after", 120) == "Succeeded"
+    conditions = core.read_node("dlo-real-1").status.conditions
+    assert any(c.type == "Ready" and c.status == "True" for c in conditions)
