@@ -112,8 +112,8 @@ def _wait(
     log: Path | None,
     explain: Callable[[], str] | None = None,
 ) -> None:
-    """Poll ``condition``; on timeout raise, naming the log and, where ``explain`` is given,
-    carrying what it says (a CI record shows the exception, not the log files)."""
+    """Poll ``condition``; on timeout raise with the last errors of ``log`` and what
+    ``explain`` says (a CI record shows the exception, not the log files)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
@@ -122,11 +122,13 @@ def _wait(
         time.sleep(0.5)
     hint = f"; see {log}" if log else ""
     details = ""
+    if log is not None and log.is_file():
+        details = f"\nlast errors of {log.name}:\n{log_excerpt(log.read_text(errors='replace'))}"
     if explain is not None:
         try:
-            details = "\n" + explain()
+            details += "\n" + explain()
         except Exception as error:  # the report must not hide the timeout
-            details = f"\n(no details: {error!r})"
+            details += f"\n(no details: {error!r})"
     raise ClusterError(f"{what} not ready after {timeout_s:.0f} s{hint}{details}")
 
 

@@ -10,8 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.cluster import babysitter
-from tests.cluster.control_plane import log_excerpt
+from tests.cluster.control_plane import ClusterError, _wait, log_excerpt
 
 
 def _wait_for(condition, timeout_s: float = 20) -> None:
@@ -67,3 +69,15 @@ def test_the_report_keeps_the_last_errors_and_restarts_of_a_klog_log() -> None:
     ]
     quiet = log_excerpt("\n".join(f"line {i}" for i in range(30)), lines=3)
     assert quiet.splitlines() == ["    line 27", "    line 28", "    line 29"]
+
+
+def test_a_timeout_carries_the_last_errors_of_the_components_log(tmp_path: Path) -> None:
+    log = tmp_path / "kube-apiserver.log"
+    log.write_text('I1130 1 a.go:1] fine\nE1130 20:00:00.0 1 b.go:2] "bind" err="in use"\n')
+    with pytest.raises(ClusterError) as raised:
+        _wait(lambda: False, 0.1, "kube-apiserver", log, lambda: "  and one more thing")
+    message = str(raised.value)
+    assert message.startswith(f"kube-apiserver not ready after 0 s; see {log}")
+    assert 'E1130 20:00:00.0 1 b.go:2] "bind" err="in use"' in message
+    assert "fine" not in message
+    assert message.endswith("and one more thing")
