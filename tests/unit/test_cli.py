@@ -188,7 +188,14 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
         (["--max-queued-requests", "0"], "--max-queued-requests: must be at least 1"),
         (["--enable-cpu-offload", "--device", "cpu"], "--enable-cpu-offload moves weights"),
         (["--enable-layerwise-offload", "--device", "cpu"], "and --device is cpu"),
-        (["--sequence-parallel-size", "2"], "--sequence-parallel-size 2: sequence parallelism"),
+        (
+            ["--sequence-parallel-size", "2"],
+            "DiTTransformer2DModel (transformer) has no context-parallel plan",
+        ),
+        (
+            ["--sequence-parallel-size", "2", "--enable-cpu-offload", "--device", "cuda"],
+            "diffusers' offload modes are not run under sequence parallelism",
+        ),
         (["--tensor-parallel-size", "2"], "tensor parallelism needs"),
         (
             ["--sequence-parallel-size", "2", "--use-hsdp"],

@@ -81,8 +81,7 @@ def test_invalid_dlo_combination_carries_the_workers_message() -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"parallelism": {"data": 2, "sequence": 2}}, "sequence parallelism"),
-        ({"parallelism": {"data": 2, "tensor": 2}}, "column- and row-parallel linears"),
+        ({"parallelism": {"data": 2, "tensor": 2}}, "tensor parallelism needs"),
         ({"quantization": "fp8"}, "--quantization fp8 is not executed by this worker release"),
     ],
 )

@@ -24,6 +24,7 @@ from dlo_operator.render import (
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
 from dlo_worker.cli import build_parser, config_from_args
 from dlo_worker.cli import main as worker_main
+from dlo_worker.config import ShardingGroup
 from tests.support.deployments import deployment_spec
 
 OWNER = Owner(name="flux", namespace="serving", uid="1234")
@@ -395,3 +396,17 @@ def test_a_cpu_engine_cannot_ask_for_gpu_host_registration() -> None:
     )
     with pytest.raises(InvalidSpecError, match="accelerator none has no GPU"):
         validate(variant)
+
+
+def test_a_data_and_sequence_parallel_engine_spans_dp_x_sp_ranks() -> None:
+    """DP=2 x SP=2 on 2 GPUs per node: 4 ranks on 2 Pods, and the worker flags that make
+    each rank join its SP group (DLO's AllGather keeps the DP group)."""
+    variant = spec(parallelism={"data": 2, "sequence": 2})
+    validate(variant)
+    pods = render_engine_pods(OWNER, variant, engine=0)
+    assert len(pods) == 2
+    assert [env(pod)["WORLD_SIZE"] for pod in pods] == ["4", "4"]
+    config = config_from_args(build_parser().parse_args(worker_arguments(variant)))
+    assert config.parallel.data_parallel_size == 2
+    assert config.parallel.sequence_parallel_size == 2
+    assert config.effective().dlo_sharding_group == ShardingGroup.DATA_PARALLEL

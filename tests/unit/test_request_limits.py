@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dlo_worker.requests import GenerationRequest, Guidance, RequestLimits, request_problems
@@ -98,3 +100,24 @@ def test_fields_the_pipeline_would_ignore_or_reject_are_refused(
 )
 def test_fields_the_pipeline_uses_are_accepted(request_fields: dict, limits: RequestLimits) -> None:
     assert request_problems(GenerationRequest(**request_fields), limits) == []
+
+
+def test_sequence_parallelism_needs_a_patch_count_that_splits_over_the_sp_ranks() -> None:
+    limits = dataclasses.replace(FLUX, token_split=4)
+    # 96x48 is 6x3 = 18 patches of 16x16: even, but not a multiple of 4.
+    (problem,) = request_problems(GenerationRequest(prompt="x", width=96, height=48), limits)
+    assert problem.startswith("width x height: 96x48 is 18 patches of 16x16 pixels")
+    assert "4 sequence-parallel ranks" in problem
+    assert request_problems(GenerationRequest(prompt="x", width=128, height=48), limits) == []
+    # The default size (1024x1024: 4096 patches) splits; only the given side counts with it.
+    assert request_problems(GenerationRequest(prompt="x"), limits) == []
+    # A side that is not whole patches is reported once, by the size rule.
+    (problem,) = request_problems(GenerationRequest(prompt="x", width=100, height=48), limits)
+    assert problem.startswith("width: 100 is not a multiple of 16")
+    assert (
+        request_problems(
+            GenerationRequest(prompt="x", width=96, height=48),
+            dataclasses.replace(FLUX, token_split=2),
+        )
+        == []
+    )

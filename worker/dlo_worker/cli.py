@@ -220,7 +220,8 @@ def _command_generate(args: argparse.Namespace) -> int:
     from dlo_worker.worker import Worker
 
     with Worker(config) as worker:
-        if problems := request_problems(request, request_limits(worker.pipeline)):
+        limits = request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
+        if problems := request_problems(request, limits):
             raise UsageError("; ".join(problems))
         rank = worker.topology.coordinates.data_parallel_rank
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
@@ -233,6 +234,8 @@ def _command_generate(args: argparse.Namespace) -> int:
         backing = worker.backing
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
+    if worker.topology.coordinates.sequence_parallel_rank > 0:
+        return 0  # the SP group's first rank writes the images they made together
     outs = image_output_paths(
         Path(args.out), rank, config.parallel.data_parallel_size, request.num_images
     )

@@ -615,8 +615,8 @@ def execution_errors(config: WorkerConfig) -> list[str]:
     """What this worker release cannot execute although the options are valid (pure).
 
     The configuration models the whole design (the operator validates against it), but
-    online quantization and the models' SP/TP/HSDP execution are not implemented, and
-    diffusers' offload modes need a CUDA device. ``generate``, ``serve`` and the operator
+    online quantization, TP and HSDP are not implemented, diffusers' offload modes need a
+    CUDA device and do not run under SP. ``generate``, ``serve`` and the operator
     refuse them with these messages (each names what would be needed) instead of failing
     later.
     """
@@ -641,19 +641,29 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             "release; use --quantization none"
         )
     parallel = config.parallel
-    if parallel.sequence_parallel_size > 1:
+    if parallel.sequence_parallel_size > 1 and policy in (
+        OffloadPolicy.MODEL_CPU_OFFLOAD,
+        OffloadPolicy.LAYERWISE_OFFLOAD,
+    ):
+        flag = flag_for(
+            "enable_cpu_offload"
+            if policy == OffloadPolicy.MODEL_CPU_OFFLOAD
+            else "enable_layerwise_offload"
+        )
         errors.append(
-            f"--sequence-parallel-size {parallel.sequence_parallel_size}: sequence parallelism "
-            "(diffusers' context parallelism across the SP ranks) is not executed by this "
-            "worker release; set --sequence-parallel-size 1 and scale with "
-            "--data-parallel-size (DLO AllGather shards host weights over DP)"
+            f"--sequence-parallel-size {parallel.sequence_parallel_size} with {flag}: "
+            "diffusers' offload modes are not run under sequence parallelism by this worker "
+            "release; use --enable-distributed-layerwise-offload (DLO shards host weights "
+            "over the SP group) or --sequence-parallel-size 1"
         )
     if parallel.tensor_parallel_size > 1:
         errors.append(
             f"--tensor-parallel-size {parallel.tensor_parallel_size}: tensor parallelism needs "
-            "every DiT's attention and MLP split across ranks (column- and row-parallel "
-            "linears), which diffusers' model classes do not provide and this worker does "
-            "not implement; set --tensor-parallel-size 1"
+            "every DiT's attention and MLP linears sharded column- and row-wise (diffusers "
+            "plans that for a few classes only, as DTensors) and DLO streaming DTensor "
+            "shards, which this worker release does not implement; set "
+            "--tensor-parallel-size 1 and split work with --sequence-parallel-size or "
+            "--data-parallel-size"
         )
     if parallel.use_hsdp:
         errors.append(

@@ -3,7 +3,9 @@
 Global rank 0 (the leader) owns intake. It repeatedly takes a *wave* from the queue,
 one slot per data-parallel rank, broadcasts it to every rank over a gloo control group
 (CPU objects only, so an idle engine never holds a device collective open), runs its
-own slot, and gathers the encoded images. An idle leader broadcasts an empty wave every
+own slot, and gathers the encoded images. With sequence parallelism a slot belongs to a
+whole SP group: its ranks run the same request together and the group's first rank
+reports the images. An idle leader broadcasts an empty wave every
 ``heartbeat_s`` so the followers' waits stay far inside the control group's timeout.
 
 With DLO AllGather over DP (``lockstep``) every rank must run the same block sequence,
@@ -243,6 +245,7 @@ class Engine:
         world_size: int,
         lockstep: bool,
         queue: RequestQueue | None,
+        sequence_parallel_size: int = 1,
         on_intake_closed: Callable[[], None] = lambda: None,
     ) -> None:
         self.pipeline = pipeline
@@ -250,6 +253,12 @@ class Engine:
         pipeline.set_progress_bar_config(disable=True)
         self.rank = rank
         self.world_size = world_size
+        self.sequence_parallel_size = sequence_parallel_size
+        # Ranks are laid out DP-major (dlo_worker.distributed): an SP group is a run of
+        # neighbouring ranks, and a wave has one slot per group.
+        self.slots = world_size // sequence_parallel_size
+        self.slot = rank // sequence_parallel_size
+        self.reports = rank % sequence_parallel_size == 0
         self.lockstep = lockstep
         self.queue = queue
         self.channel = ControlChannel(world_size)
@@ -315,14 +324,15 @@ class Engine:
             self._close_intake()
             if len(self.queue) == 0:
                 return [], Wave(stop=True)
-        return self.queue.take_wave(self.world_size, self.lockstep, HEARTBEAT_S)
+        return self.queue.take_wave(self.slots, self.lockstep, HEARTBEAT_S)
 
     def _run_slot(self, wave: Wave, number: int) -> list[bytes] | str | None:
-        """This rank's images as PNG bytes, an error message, or None when idle/discarded."""
-        request = wave.slots[self.rank]
+        """This rank's images as PNG bytes, an error message, or None when idle, discarded
+        or not its SP group's reporting rank."""
+        request = wave.slots[self.slot]
         if request is None:
             return None
-        discarded = self.rank in wave.discarded
+        discarded = self.slot in wave.discarded
         started = time.monotonic()
         try:
             pngs = [encode_png(image) for image in generate_images(self.pipeline, request)]
@@ -331,6 +341,7 @@ class Engine:
             return f"{type(error).__name__}: {error}"
         fields = {
             "rank": self.rank,
+            "slot": self.slot,
             "wave": number,
             "steps": request.steps,
             "width": request.width,
@@ -341,7 +352,7 @@ class Engine:
             "seconds": round(time.monotonic() - started, 3),
         }
         logger.info("request done", extra={"fields": fields})
-        return None if discarded else pngs
+        return None if discarded or not self.reports else pngs
 
     def _deliver(
         self,
@@ -353,7 +364,7 @@ class Engine:
         metrics.WAVE_SECONDS.observe(seconds)
         metrics.WAVE_OCCUPANCY.observe(len(taken) / max(len(wave.slots), 1))
         for slot, submission in enumerate(taken):
-            result = results[slot]
+            result = results[slot * self.sequence_parallel_size]
             if isinstance(result, list):
                 submission.future.set_result(result)
                 metrics.REQUESTS.labels(outcome="ok").inc()

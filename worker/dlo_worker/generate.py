@@ -68,10 +68,11 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
     }
 
 
-def request_limits(pipeline: DiffusionPipeline) -> RequestLimits:
+def request_limits(pipeline: DiffusionPipeline, sequence_parallel_size: int = 1) -> RequestLimits:
     """What requests the loaded pipeline takes, read from its call signature and its
     components' configs: conditioning, guidance, size rules and, for class-conditional
-    DiTs, the number of classes its label embedding holds."""
+    DiTs, the number of classes its label embedding holds. With sequence parallelism the
+    image's patches must split evenly over the SP ranks."""
     accepted = inspect.signature(pipeline.__call__).parameters
     name = type(pipeline).__name__
     transformer_config = _config_of(getattr(pipeline, "transformer", None))
@@ -114,6 +115,7 @@ def request_limits(pipeline: DiffusionPipeline) -> RequestLimits:
         default_size=(side, side) if side else None,
         size_multiple=multiple,
         max_side=2 * side if side else 2048,
+        token_split=sequence_parallel_size,
     )
 
 

@@ -120,7 +120,11 @@ class RequestLimits:
     default_size: tuple[int, int] | None = None
     """(width, height) the pipeline draws without a size."""
     size_multiple: int = 8
+    """A side in pixels is a whole number of latent patches of this many pixels."""
     max_side: int = 2048
+    token_split: int = 1
+    """The SP size: sequence parallelism splits the image's patches (tokens) evenly over
+    the SP ranks, so their count must divide by it."""
 
 
 def request_problems(request: GenerationRequest, limits: RequestLimits) -> list[str]:
@@ -200,4 +204,18 @@ def _size_problems(request: GenerationRequest, given: set[str], limits: RequestL
                 f"{field}: {value} is not a multiple of {limits.size_multiple} from "
                 f"{limits.size_multiple} to {limits.max_side}"
             )
+    if problems or limits.token_split == 1 or not limits.takes_size:
+        return problems
+    width, height = (
+        getattr(request, field) or (limits.default_size or (0, 0))[index]
+        for index, field in enumerate(("width", "height"))
+    )
+    tokens = (width // limits.size_multiple) * (height // limits.size_multiple)
+    if tokens % limits.token_split:
+        problems.append(
+            f"width x height: {width}x{height} is {tokens} patches of {limits.size_multiple}"
+            f"x{limits.size_multiple} pixels, which do not split evenly over the "
+            f"{limits.token_split} sequence-parallel ranks; choose a size whose patch count "
+            f"is a multiple of {limits.token_split}"
+        )
     return problems

@@ -83,6 +83,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
                 world_size=worker.topology.world_size,
                 lockstep=lockstep_waves(config),
                 queue=queue,
+                sequence_parallel_size=config.parallel.sequence_parallel_size,
                 on_intake_closed=lambda: state.set_phase(Phase.DRAINING),
             )
 
@@ -96,7 +97,9 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
                 "host backing",
                 extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
             )
-            state.set_limits(request_limits(worker.pipeline))
+            state.set_limits(
+                request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
+            )
             if queue is not None:
                 queue.open()
             state.set_phase(Phase.READY)

@@ -1,9 +1,9 @@
 """The worker's lifecycle: start up in the design doc's order, shut down in reverse.
 
 Start: process groups, then the pipeline (on the CPU when DLO will stream it),
-then the DLO backend. Shutdown: stop intake (the caller), then
-``backend.disable()`` while the process groups still exist (it synchronizes
-outstanding AllGathers), then destroy the process groups. SIGTERM takes the
+then the DLO backend, then sequence parallelism's hooks on the DiTs. Shutdown: stop
+intake (the caller), then ``backend.disable()`` while the process groups still exist
+(it synchronizes outstanding AllGathers), then destroy the process groups. SIGTERM takes the
 same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dlo_worker import diffusers_offload, metrics
+from dlo_worker import diffusers_offload, metrics, sequence_parallel
 from dlo_worker.config import OffloadPolicy, ShardingGroup, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
@@ -32,6 +32,9 @@ from dlo_worker.offload.host_source import HostWeightPlanError
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from dlo_worker.loader.host_weight_plan import HostWeightPlan
+    from dlo_worker.runtime_cache.entry import RuntimeCacheEntry
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,9 @@ class Worker:
         policy = self.config.effective().offload_policy
         diffusers_offload.check_device(policy, self.device)
         diffusers_offload.check_model(policy, Path(self.config.model.model), DIT_COMPONENTS)
+        sequence_parallel.check_model(
+            Path(self.config.model.model), DIT_COMPONENTS, self.config.parallel
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
@@ -85,8 +91,14 @@ class Worker:
         policy = self.config.effective().offload_policy
         if policy in diffusers_offload.DIFFUSERS_POLICIES:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
-        if policy != OffloadPolicy.DLO:
-            return
+        if policy == OffloadPolicy.DLO:
+            self._enable_dlo(plan)
+        if self.config.parallel.sequence_parallel_size > 1:
+            sequence_parallel.apply(
+                self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
+            )
+
+    def _enable_dlo(self, plan: HostWeightPlan | RuntimeCacheEntry | None) -> None:
         offload_config = offload_config_for(self.config, self.topology.groups)
         try:
             self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device, plan)

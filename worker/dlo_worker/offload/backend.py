@@ -98,6 +98,18 @@ FOREIGN_HOOKS = {
 }
 
 
+CONTEXT_PARALLEL_HOOK_PREFIXES = ("cp_input---", "cp_output---")
+"""diffusers' context-parallel hooks (sequence parallelism) split and gather activations
+and never touch weights, so DLO streams a DiT that carries them."""
+
+
+def _only_context_parallel(hooks: object) -> bool:
+    names = getattr(hooks, "hooks", None)
+    return isinstance(names, dict) and all(
+        name.startswith(CONTEXT_PARALLEL_HOOK_PREFIXES) for name in names
+    )
+
+
 @dataclass(frozen=True)
 class OffloadStats:
     """What DLO did so far; exported by the metrics endpoint."""
@@ -253,7 +265,8 @@ class DistributedLayerwiseOffloadBackend:
                 )
             for module_name, module in dit.module.named_modules():
                 for attribute, what in FOREIGN_HOOKS.items():
-                    if getattr(module, attribute, None) is not None:
+                    hooks = getattr(module, attribute, None)
+                    if hooks is not None and not _only_context_parallel(hooks):
                         where = f"{dit.name}.{module_name}".rstrip(".")
                         raise OffloadSetupError(
                             f"{where} carries {what}; DLO cannot stream a DiT another offload "
