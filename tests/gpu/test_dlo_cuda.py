@@ -88,3 +88,29 @@ def _nccl_rank(rank: int, world_size: int, store_path: str) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_nccl_allgather_over_two_gpus_is_bitwise_equal(tmp_path: Path) -> None:
     mp.spawn(_nccl_rank, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+
+
+def test_fp8_flux_on_cuda_is_bitwise_equal_to_fp8_resident() -> None:
+    """``--quantization fp8``: the FP8 weights stream through the slots (one byte each) and
+    are dequantized on the GPU; the output equals the same FP8 model resident."""
+    from dlo_worker.quantization import quantize_blocks_fp8
+
+    def fp8_flux() -> torch.nn.Module:
+        model = tiny_flux().model.to(torch.bfloat16)
+        quantize_blocks_fp8(model)
+        return model
+
+    case = tiny_flux()
+    inputs = {
+        k: v.to(CUDA, torch.bfloat16) if v.is_floating_point() else v.to(CUDA)
+        for k, v in case.inputs.items()
+    }
+    reference = fp8_flux().to(CUDA)
+    with torch.inference_mode():
+        expected = [reference(**inputs).sample for _ in range(3)]
+    model = fp8_flux()
+    backend = enable_dlo(model, device=CUDA, use_allgather=False)
+    with torch.inference_mode():
+        actual = [model(**inputs).sample for _ in range(3)]
+    backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))

@@ -196,6 +196,14 @@ def test_generate_rejects_bad_request_values(capsys, tmp_path, argv, named) -> N
             ["--sequence-parallel-size", "2", "--enable-cpu-offload", "--device", "cuda"],
             "diffusers' offload modes are not run under sequence parallelism",
         ),
+        (
+            ["--quantization", "int8"],
+            "--quantization int8 is not executed by this worker release",
+        ),
+        (
+            ["--quantization", "fp8", "--enable-layerwise-offload", "--device", "cuda"],
+            "--quantization fp8 is not run under diffusers' offload modes",
+        ),
         (["--tensor-parallel-size", "2"], "tensor parallelism needs"),
         (
             ["--sequence-parallel-size", "2", "--use-hsdp"],

@@ -82,7 +82,10 @@ def test_invalid_dlo_combination_carries_the_workers_message() -> None:
     ("fields", "named"),
     [
         ({"parallelism": {"data": 2, "tensor": 2}}, "tensor parallelism needs"),
-        ({"quantization": "fp8"}, "--quantization fp8 is not executed by this worker release"),
+        (
+            {"quantization": "int8", "offload": {"useAllGather": False}},
+            "--quantization int8 is not executed by this worker release",
+        ),
     ],
 )
 def test_valid_but_not_yet_executable_specs_are_refused(fields: dict, named: str) -> None:

@@ -410,3 +410,11 @@ def test_a_data_and_sequence_parallel_engine_spans_dp_x_sp_ranks() -> None:
     assert config.parallel.data_parallel_size == 2
     assert config.parallel.sequence_parallel_size == 2
     assert config.effective().dlo_sharding_group == ShardingGroup.DATA_PARALLEL
+
+
+def test_an_fp8_deployment_renders_workers_that_stream_fp8_weights() -> None:
+    variant = spec(quantization="fp8")
+    validate(variant)
+    arguments = worker_arguments(variant)
+    assert arguments[arguments.index("--quantization") + 1] == "fp8"
+    assert "--enable-distributed-layerwise-offload" in arguments

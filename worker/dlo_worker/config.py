@@ -615,10 +615,10 @@ def execution_errors(config: WorkerConfig) -> list[str]:
     """What this worker release cannot execute although the options are valid (pure).
 
     The configuration models the whole design (the operator validates against it), but
-    online quantization, TP and HSDP are not implemented, diffusers' offload modes need a
-    CUDA device and do not run under SP. ``generate``, ``serve`` and the operator
-    refuse them with these messages (each names what would be needed) instead of failing
-    later.
+    quantization other than per-tensor FP8, TP and HSDP are not implemented, and diffusers'
+    offload modes need a CUDA device and run neither under SP nor with FP8. ``generate``,
+    ``serve`` and the operator refuse them with these messages (each names what would be
+    needed) instead of failing later.
     """
     errors: list[str] = []
     policy = config.effective().offload_policy
@@ -635,10 +635,20 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             f"{flag} moves weights between host memory and a CUDA device, and --device is "
             "cpu: drop the flag (on the CPU everything is in host memory already)"
         )
-    if config.model.quantization != Quantization.NONE:
+    quantization = config.model.quantization
+    if quantization not in (Quantization.NONE, Quantization.FP8):
         errors.append(
-            f"--quantization {config.model.quantization} is not executed by this worker "
-            "release; use --quantization none"
+            f"--quantization {quantization} is not executed by this worker release; use "
+            "--quantization fp8 (per-tensor FP8 weights) or none"
+        )
+    elif quantization == Quantization.FP8 and policy in (
+        OffloadPolicy.MODEL_CPU_OFFLOAD,
+        OffloadPolicy.LAYERWISE_OFFLOAD,
+    ):
+        errors.append(
+            "--quantization fp8 is not run under diffusers' offload modes by this worker "
+            "release; stream the FP8 weights with --enable-distributed-layerwise-offload, or "
+            "run resident"
         )
     parallel = config.parallel
     if parallel.sequence_parallel_size > 1 and policy in (

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dlo_worker import diffusers_offload, metrics, sequence_parallel
-from dlo_worker.config import OffloadPolicy, ShardingGroup, WorkerConfig
+from dlo_worker import diffusers_offload, metrics, quantization, sequence_parallel
+from dlo_worker.config import OffloadPolicy, Quantization, ShardingGroup, WorkerConfig
 from dlo_worker.devices import resolve_device, resolve_dtype
 from dlo_worker.distributed import Topology, init_topology
 from dlo_worker.loader.diffusers_loader import (
@@ -88,6 +88,10 @@ class Worker:
         self.pipeline = loader.load()
         self.backing = loader.decision
         plan = loader.take_host_weight_plan()
+        if self.config.model.quantization == Quantization.FP8:
+            # Before DLO packs the blocks: it streams the FP8 weights (the loader kept them
+            # ordinary tensors, never a checkpoint mapping, for that reason).
+            quantization.quantize_blocks_fp8(self.pipeline, self.config.offload.dlo_block_paths)
         policy = self.config.effective().offload_policy
         if policy in diffusers_offload.DIFFUSERS_POLICIES:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)

@@ -266,8 +266,8 @@ class SlotPair:
         for dtype, source in block.host_source.items():
             shard = source.numel()
             dist.all_gather_into_tensor(
-                slot.buffers[dtype][: shard * self.shards],
-                buffer.buffers[dtype][:shard],
+                _as_collective_dtype(slot.buffers[dtype][: shard * self.shards]),
+                _as_collective_dtype(buffer.buffers[dtype][:shard]),
                 group=self.process_group,
             )
             self.counters.allgather_bytes += shard * self.shards * dtype.itemsize
@@ -300,3 +300,11 @@ class SlotPair:
         for holder in (*self.slots, *self.shard_ring):
             holder.buffers.clear()
             holder.block = None
+
+
+def _as_collective_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """FP8 buffers travel as bytes: gloo has no float8 type, and a gather only moves
+    bytes, so the view changes nothing in what arrives."""
+    if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1:
+        return tensor.view(torch.uint8)
+    return tensor

@@ -1,0 +1,135 @@
+"""FP8 weight streaming on the Flux-class DiT (``--quantization fp8``), one GPU.
+
+Same model and inputs as ``bench/flux_dlo.py`` (random bf16 weights, 57 blocks), in one
+process: resident bf16, DLO bf16, resident FP8 and DLO FP8 (per-tensor FP8 linears in
+the blocks, dequantized on the GPU before each matmul). Prints each DLO step against its
+own limit max(resident step, streamed bytes / pinned H2D measured here), the streamed
+bytes, and how far the FP8 step's output is from the bf16 one (relative error and PSNR
+over the output's range).
+
+    python bench/flux_fp8.py --resolutions 1024 --json flux_fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from flux_dlo import build_flux, flux_inputs, peak_gib, pinned_h2d_gbps, release, step_seconds
+
+from dlo_worker.offload import enable_dlo
+from dlo_worker.quantization import quantize_blocks_fp8
+
+
+@torch.inference_mode()
+def output_of(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    return model(**inputs, return_dict=False)[0].float()
+
+
+def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict:
+    error = output - reference
+    mse = error.pow(2).mean().item()
+    span = (reference.max() - reference.min()).item()
+    return {
+        "relative_error": (error.norm() / reference.norm()).item(),
+        "psnr_db": 10 * math.log10(span**2 / mse) if mse else math.inf,
+    }
+
+
+def streamed(model, inputs: dict, resolution: int, repeats: int, device) -> dict:
+    """DLO rank-local on ``model``; its step time, streamed bytes and peak HBM."""
+    backend = enable_dlo(model, device=device, use_allgather=False)
+    try:
+        block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
+        release(device)
+        step = step_seconds(model, inputs, repeats)
+        stats = backend.stats()
+        return {
+            "dlo_s": step,
+            "block_gib": block_bytes / 2**30,
+            "block_bytes": block_bytes,
+            "peak_gib": peak_gib(device),
+            "achieved_h2d_gbps": stats.h2d_gbps,
+        }
+    finally:
+        backend.disable()
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda", 0)
+    bandwidth = pinned_h2d_gbps(device)
+    report: dict = {
+        "gpu": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "pinned_h2d_gbps": bandwidth,
+        "results": {},
+    }
+    for resolution in args.resolutions:
+        inputs = flux_inputs(resolution, device)
+        row: dict = {}
+        for variant in ("bf16", "fp8"):
+            model = build_flux(device)
+            if variant == "fp8":
+                quantize_blocks_fp8(model)
+            release(device)
+            resident_s = step_seconds(model, inputs, args.repeats)
+            output = output_of(model, inputs)
+            if variant == "bf16":
+                reference = output
+            else:
+                row["fp8_vs_bf16"] = fidelity(output, reference)
+            dlo = streamed(model, inputs, resolution, args.repeats, device)
+            bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
+            row[variant] = {
+                "resident_s": resident_s,
+                **dlo,
+                "transfer_bound_s": bound_s,
+                "dlo_over_limit": dlo["dlo_s"] / max(resident_s, bound_s),
+            }
+            del model, output
+            release(device)
+            print(f"{resolution} {variant}: {row[variant]}", flush=True)
+        row["fp8_over_bf16_dlo"] = row["fp8"]["dlo_s"] / row["bf16"]["dlo_s"]
+        report["results"][resolution] = row
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(
+        f"# {report['gpu']}, torch {report['torch']}, "
+        f"pinned H2D {report['pinned_h2d_gbps']:.1f} GB/s"
+    )
+    for resolution, row in report["results"].items():
+        for variant in ("bf16", "fp8"):
+            r = row[variant]
+            print(
+                f"{resolution}x{resolution} {variant}: blocks {r['block_gib']:.2f} GiB | resident "
+                f"{r['resident_s']:.3f} s | bound {r['transfer_bound_s']:.3f} s | DLO "
+                f"{r['dlo_s']:.3f} s (peak {r['peak_gib']:.1f} GiB, H2D "
+                f"{r['achieved_h2d_gbps']:.1f} GB/s) = {r['dlo_over_limit']:.3f}x limit"
+            )
+        quality = row["fp8_vs_bf16"]
+        print(
+            f"{resolution}x{resolution}: FP8 DLO / bf16 DLO = {row['fp8_over_bf16_dlo']:.3f}; FP8 "
+            f"step output vs bf16: relative error {quality['relative_error']:.4f}, PSNR "
+            f"{quality['psnr_db']:.1f} dB"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
+    args = parser.parse_args()
+    report = run(args)
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
