@@ -8,7 +8,9 @@ the arguments the chart renders (cluster-wide), and prints:
 - at steady state (``--settle-s`` after everything is Available, over ``--steady-s``):
   the operator's share of a core, and API requests per second from the API server's
   ``apiserver_request_total``: all of them, and those of the verbs and resources the
-  operator uses (kwok's node and Pod status traffic is in the first figure only).
+  operator uses (kwok's node and Pod status traffic is in the first figure only);
+- the API requests from the first create until all are Available, by verb and resource
+  (those made at least N/2 times).
 
     python bench/operator_scale.py --deployments 100 500 1000
 
@@ -124,7 +126,7 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
                 core.create_namespace(
                     client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
                 )
-            cpu_before = cpu_seconds(operator.pid)
+            cpu_before, totals_at_start = cpu_seconds(operator.pid), request_totals(state)
             started = time.monotonic()
 
             def create(index: int) -> None:
@@ -143,6 +145,12 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
             available_s = time.monotonic() - started
             cpu_to_available = cpu_seconds(operator.pid) - cpu_before
             rss_at_available = rss_mib(operator.pid)
+            to_available = request_totals(state)
+            creation = {
+                f"{verb} {resource}": round(value - totals_at_start.get((verb, resource), 0.0))
+                for (verb, resource), value in sorted(to_available.items())
+                if value - totals_at_start.get((verb, resource), 0.0) >= count / 2
+            }
 
             time.sleep(settle_s)  # the passes the creation's own events trigger run out
             totals_before, cpu_steady = request_totals(state), cpu_seconds(operator.pid)
@@ -158,6 +166,7 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
                 "available_s": available_s,
                 "operator_cpu_s_to_available": cpu_to_available,
                 "operator_rss_mib": rss_at_available,
+                "requests_to_available": creation,
                 "settle_s": settle_s,
                 "steady_s": steady_s,
                 "steady_operator_core_share": cpu_share,
@@ -211,6 +220,7 @@ def main() -> None:
                 f"{row['steady_operator_api_requests_per_s']:.1f} req/s of the operator's kinds",
                 flush=True,
             )
+            print(f"  requests until all Available: {row['requests_to_available']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

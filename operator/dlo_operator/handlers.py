@@ -6,7 +6,8 @@ warm Job (a node's cache state is reported promptly).
 I/O only: read the object, its Pods and its other children, call
 :func:`dlo_operator.reconcile.reconcile`, create, patch and delete what it says
 (409/404 are success: another sync did it), patch status and post the Events whose
-actions took effect. Passes over one deployment run one at a time.
+actions took effect. Passes over one deployment run one at a time. Child events only
+queue the deployment (:mod:`dlo_operator.workqueue`): a burst of them costs one pass.
 
 Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,7 @@ from dlo_operator.api import (
     DiffusionDeploymentSpec,
     DiffusionDeploymentStatus,
 )
+from dlo_operator.coalesce import Coalescer
 from dlo_operator.reconcile import (
     Actions,
     ApplyFailure,
@@ -45,6 +46,7 @@ from dlo_operator.reconcile import (
 )
 from dlo_operator.render import GPU_RESOURCE, LABEL_DEPLOYMENT, Owner
 from dlo_operator.warming import ObservedJob, ObservedNode, warming_enabled
+from dlo_operator.workqueue import WorkQueue, start_workers
 
 ANNOTATION_PREFIX = GROUP
 TIMER_INTERVAL_S = 10.0
@@ -79,6 +81,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    start_workers(_queue, lambda key: sync(key[1], key[0]), QUEUE_WORKERS, name="dlo-reconcile")
 
 
 def _post(body: dict[str, Any], events: list[Event], changed: set[str]) -> None:
@@ -210,15 +213,14 @@ def _apply(namespace: str, actions: Actions) -> tuple[set[str], list[ApplyFailur
     return changed, failures, hold_pods and bool(actions.create_pods)
 
 
-_locks_guard = threading.Lock()
-_locks: dict[tuple[str, str], threading.Lock] = {}
-
-
-def _lock(namespace: str, name: str) -> threading.Lock:
-    """kopf runs the resource's handlers and the Pod handler concurrently; passes over
-    one deployment must not, or two would both see an engine missing and create it."""
-    with _locks_guard:
-        return _locks.setdefault((namespace, name), threading.Lock())
+_passes = Coalescer()
+"""kopf runs the resource's handlers and the queue's workers concurrently; passes over
+one deployment must not overlap, and requests during a pass fold into one more."""
+_queue = WorkQueue()
+"""Deployments whose children changed (:mod:`dlo_operator.workqueue`)."""
+QUEUE_WORKERS = 4
+"""Threads running queued passes: each pass waits on a handful of API calls, so a few
+in flight keep the API server, not the operator, the limit."""
 
 
 def _patch_status(
@@ -249,19 +251,33 @@ _last_passes: dict[tuple[str, str], _LastPass] = {}
 
 def sync(name: str, namespace: str) -> list[ApplyFailure]:
     """Bring one DiffusionDeployment's children and status in line with its spec; returns
-    what the API server refused (already in the status and the log)."""
-    with _lock(namespace, name):
-        failures = _sync(name, namespace)
-        _last_passes[(namespace, name)] = _LastPass(time.monotonic(), bool(failures))
+    what the API server refused (already in the status and the log), or nothing when a
+    pass over it was running (that pass runs once more, after this request)."""
+    key = (namespace, name)
+
+    def one_pass() -> list[ApplyFailure]:
+        try:
+            failures = _sync(name, namespace)
+        except Exception:
+            # The timer's next tick retries (as after a refusal).
+            _last_passes[key] = _LastPass(time.monotonic(), refused=True)
+            raise
+        _last_passes[key] = _LastPass(time.monotonic(), bool(failures))
         return failures
+
+    return _passes.run(key, one_pass) or []
 
 
 def pass_due(last: _LastPass | None, now: float, *, warming: bool) -> bool:
     """Whether the timer runs a pass: events (the resource, its Pods, Jobs and children)
     trigger passes as things change, so a steady deployment needs one only every
     :data:`RESYNC_S`; sooner after a refusal (the retry), and every tick while warm Jobs
-    track the nodes (a new node is not an event of this deployment)."""
-    return last is None or last.refused or warming or now - last.at >= RESYNC_S
+    track the nodes (a new node is not an event of this deployment). Before the first
+    pass of this process ends the create or resume handler is running it: the timer's
+    first tick, right after the resource appears, adds none."""
+    if last is None:
+        return False
+    return last.refused or warming or now - last.at >= RESYNC_S
 
 
 def _sync(name: str, namespace: str) -> list[ApplyFailure]:
@@ -352,11 +368,39 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
                 raise
     if pods:
         raise kopf.TemporaryError("waiting for the engines to drain", delay=2)
+    _passes.forget((namespace, name))
+    _last_passes.pop((namespace, name), None)
+
+
+_seen_pods: dict[str, ObservedPod] = {}
+"""What the last event of each child Pod (by uid) showed of what reconcile reads."""
+
+
+def pod_event_needs_pass(
+    seen: dict[str, ObservedPod], event_type: str, uid: str, observed: ObservedPod
+) -> bool:
+    """Whether a Pod event changes what a pass would read (and records what it saw).
+
+    The first sight of a Pod is the operator's own creation (or the watch's initial list
+    when the operator starts, which the resume pass covers); a deleted Pod always counts;
+    otherwise only a change of phase, readiness, termination, spec hash or placement
+    labels does, not a binding, an IP or a status heartbeat.
+    """
+    if event_type == "DELETED":
+        seen.pop(uid, None)
+        return True
+    previous = seen.get(uid)
+    seen[uid] = observed
+    return previous is not None and previous != observed
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-def on_pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
-    sync(labels[LABEL_DEPLOYMENT], namespace)
+async def on_pod_event(
+    labels: dict[str, str], namespace: str, body: Any, uid: str, **kwargs: Any
+) -> None:
+    observed = ObservedPod.from_manifest(body)
+    if pod_event_needs_pass(_seen_pods, kwargs["type"], uid, observed):
+        _queue.add((namespace, labels[LABEL_DEPLOYMENT]))
 
 
 @kopf.on.event("", "v1", "services", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
@@ -364,14 +408,14 @@ def on_pod_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
 @kopf.on.event(
     "networking.k8s.io", "v1", "networkpolicies", labels={LABEL_DEPLOYMENT: kopf.PRESENT}
 )
-def on_child_event(labels: dict[str, str], namespace: str, **kwargs: Any) -> None:
+async def on_child_event(labels: dict[str, str], namespace: str, **kwargs: Any) -> None:
     """Someone changed or deleted a child: restore it now, not at the next resync. (The
     operator's own creations, ADDED, need no pass.)"""
     if kwargs["type"] in ("MODIFIED", "DELETED"):
-        sync(labels[LABEL_DEPLOYMENT], namespace)
+        _queue.add((namespace, labels[LABEL_DEPLOYMENT]))
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-def on_warm_job_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
+async def on_warm_job_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
     """A warm Job started, finished or failed: report the node's cache state."""
-    sync(labels[LABEL_DEPLOYMENT], namespace)
+    _queue.add((namespace, labels[LABEL_DEPLOYMENT]))
