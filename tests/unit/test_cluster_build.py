@@ -25,6 +25,15 @@ replace (
 )
 """
 
+PINNED = Versions(
+    kubernetes="v1.34.4",
+    etcd="v3.6.16",
+    kwok="v0.7.0",
+    helm="v3.19.5",
+    kube_score="v1.20.0",
+    coredns="v1.14.7",
+)
+
 
 def test_every_staging_module_is_replaced_by_its_published_twin() -> None:
     assert staging_replaces(KUBERNETES_GO_MOD, "v0.34.4") == {
@@ -34,14 +43,7 @@ def test_every_staging_module_is_replaced_by_its_published_twin() -> None:
 
 
 def test_staging_version_follows_the_kubernetes_release() -> None:
-    versions = Versions(
-        kubernetes="v1.34.4",
-        etcd="v3.6.16",
-        kwok="v0.7.0",
-        helm="v3.19.5",
-        kube_score="v1.20.0",
-        coredns="v1.14.7",
-    )
+    versions = PINNED
     assert versions.staging_version == "v0.34.4"
 
 
@@ -60,14 +62,7 @@ def test_version_stamps_report_the_real_release() -> None:
 
 
 def test_cache_key_changes_with_any_control_plane_version() -> None:
-    base = Versions(
-        kubernetes="v1.34.4",
-        etcd="v3.6.16",
-        kwok="v0.7.0",
-        helm="v3.19.5",
-        kube_score="v1.20.0",
-        coredns="v1.14.7",
-    )
+    base = PINNED
     assert build_key(base) == build_key(base)
     assert build_key(base) != build_key(dataclasses.replace(base, helm="v3.19.6"))
     # A linter bump rebuilds the linter alone (Builder.missing compares its stamp).
