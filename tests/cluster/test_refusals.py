@@ -165,30 +165,44 @@ def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
     eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
 
 
-@pytest.fixture(scope="module")
-def small_service_range(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
-    """A control plane whose Service range holds 14 ClusterIPs (the kubernetes Service
-    takes one)."""
-    directory = tmp_path_factory.mktemp("small-service-range")
-    state = up(directory, nodes=1, service_cidr="10.0.0.0/28", progress=lambda _line: None)
+def _private_control_plane(directory: Path, **options: str) -> Iterator[ClusterState]:
+    """A control plane of one fake node for one module, stopped after it."""
+    state = up(directory, nodes=1, progress=lambda _line: None, **options)
     try:
         yield state
     finally:
         down(directory, progress=lambda _line: None)
 
 
-def test_a_full_service_range_holds_the_pods_back_and_says_so(
-    small_service_range: ClusterState, tmp_path: Path
-) -> None:
+def _with_crd_and_namespace(state: ClusterState, namespace: str) -> client.ApiClient:
+    """A client of ``state`` whose cluster has the CRD and ``namespace``."""
     from dlo_operator.crd import custom_resource_definition
 
-    api_client = config.new_client_from_config(config_file=small_service_range.kubeconfig)
+    api_client = config.new_client_from_config(config_file=state.kubeconfig)
     client.ApiextensionsV1Api(api_client).create_custom_resource_definition(
         custom_resource_definition()
     )
-    core = client.CoreV1Api(api_client)
+    client.CoreV1Api(api_client).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
+    )
+    return api_client
+
+
+@pytest.fixture(scope="module")
+def small_service_range(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
+    """A control plane whose Service range holds 14 ClusterIPs (the kubernetes Service
+    takes one)."""
+    yield from _private_control_plane(
+        tmp_path_factory.mktemp("small-service-range"), service_cidr="10.0.0.0/28"
+    )
+
+
+def test_a_full_service_range_holds_the_pods_back_and_says_so(
+    small_service_range: ClusterState, tmp_path: Path
+) -> None:
     namespace = "full"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
+    api_client = _with_crd_and_namespace(small_service_range, namespace)
+    core = client.CoreV1Api(api_client)
 
     def filler(index: int) -> client.V1Service:
         return client.V1Service(
@@ -220,27 +234,14 @@ def test_a_full_service_range_holds_the_pods_back_and_says_so(
 @pytest.fixture(scope="module")
 def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     """A control plane of its own: its API server is restarted."""
-    directory = tmp_path_factory.mktemp("restartable")
-    state = up(directory, nodes=1, progress=lambda _line: None)
-    try:
-        yield state
-    finally:
-        down(directory, progress=lambda _line: None)
+    yield from _private_control_plane(tmp_path_factory.mktemp("restartable"))
 
 
 def test_an_api_server_restart_while_reconciling_duplicates_nothing(
     restartable: ClusterState, tmp_path: Path
 ) -> None:
-    from dlo_operator.crd import custom_resource_definition
-
-    api_client = config.new_client_from_config(config_file=restartable.kubeconfig)
-    client.ApiextensionsV1Api(api_client).create_custom_resource_definition(
-        custom_resource_definition()
-    )
     namespace = "restart"
-    client.CoreV1Api(api_client).create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
-    )
+    api_client = _with_crd_and_namespace(restartable, namespace)
     engines = 4  # one Pod of two GPUs each: the node's 8 GPUs
     with running_operator(restartable.kubeconfig, tmp_path / "operator.log"):
         create(api_client, namespace, manifest("flux", replicas=engines))
