@@ -15,7 +15,6 @@ CPU as the device there is nothing to offload to, and the flag is refused.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch import nn
 
 from dlo_worker.config import OffloadPolicy
 from dlo_worker.errors import UserFixableError
+from dlo_worker.loader.model_directory import dit_classes
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +67,12 @@ def check_model(policy: OffloadPolicy, model_dir: Path, dit_components: tuple[st
         return
     import diffusers
 
-    index = json.loads((model_dir / "model_index.json").read_text())
-    for component in dit_components:
-        entry = index.get(component)
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers"):
-            continue
-        model_class = getattr(diffusers, entry[1], None)
+    for component, class_name in dit_classes(model_dir, dit_components).items():
+        model_class = getattr(diffusers, class_name, None)
         if model_class is not None and not getattr(model_class, "_supports_group_offloading", True):
             raise GroupOffloadUnsupportedError(
                 f"--enable-layerwise-offload: diffusers' group offloading does not support "
-                f"{entry[1]} ({component}); use --enable-distributed-layerwise-offload "
+                f"{class_name} ({component}); use --enable-distributed-layerwise-offload "
                 "(DLO streams it) or --enable-cpu-offload"
             )
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from dlo_worker.config import ParallelOptions
 from dlo_worker.errors import UserFixableError
+from dlo_worker.loader.model_directory import dit_classes
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,6 @@ MESH_DIMENSIONS = ("dp", "ring", "ulysses")
 
 class SequenceParallelError(ValueError, UserFixableError):
     """The model cannot run with the configured sequence parallelism."""
-
-
-def _dit_classes(model_dir: Path, dit_components: tuple[str, ...]) -> dict[str, str]:
-    """The diffusers class name of each DiT component ``model_index.json`` lists."""
-    index = json.loads((model_dir / "model_index.json").read_text())
-    return {
-        component: entry[1]
-        for component in dit_components
-        if isinstance(entry := index.get(component), list)
-        and len(entry) == 2
-        and entry[0] == "diffusers"
-    }
 
 
 def supported_classes() -> list[str]:
@@ -74,7 +63,7 @@ def check_model(
         return
     import diffusers
 
-    for component, class_name in _dit_classes(model_dir, dit_components).items():
+    for component, class_name in dit_classes(model_dir, dit_components).items():
         model_class = getattr(diffusers, class_name, None)
         if model_class is None:
             continue  # the loader reports an unknown class

@@ -16,7 +16,6 @@ fallback is logged with its reason and counted in ``dlo_host_backing_fallbacks``
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,7 +38,11 @@ from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
-from dlo_worker.loader.model_directory import check_model_directory, quiet_diffusers_handlers
+from dlo_worker.loader.model_directory import (
+    check_model_directory,
+    dit_classes,
+    quiet_diffusers_handlers,
+)
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
 from dlo_worker.offload.host_source import HostWeightPlanError
 from dlo_worker.runtime_cache import (
@@ -109,17 +112,10 @@ class DiffusersPipelineLoader:
         quiet_diffusers_handlers()
         check_model_directory(self.model_dir)
         started = time.perf_counter()
-        index = json.loads((self.model_dir / "model_index.json").read_text())
-        dit_classes = {
-            component: entry[1]
-            for component in DIT_COMPONENTS
-            if isinstance(entry := index.get(component), list)
-            and len(entry) == 2
-            and entry[0] == "diffusers"
-        }
-        source = self._cache_source(dit_classes) if self._uses_runtime_cache() else None
+        classes = dit_classes(self.model_dir, DIT_COMPONENTS)
+        source = self._cache_source(classes) if self._uses_runtime_cache() else None
         hit = self._skip_load(source)
-        prepared = self._prepare_dits(dit_classes, hit, source)
+        prepared = self._prepare_dits(classes, hit, source)
         pipeline = DiffusionPipeline.from_pretrained(
             str(self.model_dir), dtype=self.dtype, local_files_only=True, **prepared.prebuilt
         )

@@ -59,6 +59,19 @@ _WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safe
 _OTHER_WEIGHTS = ("diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
 
 
+def dit_classes(model_dir: Path, components: tuple[str, ...]) -> dict[str, str]:
+    """The diffusers class name of each of ``components`` that ``model_index.json`` lists
+    as a diffusers model (the directory was checked with :func:`check_model_directory`)."""
+    index = json.loads((model_dir / "model_index.json").read_text())
+    return {
+        component: entry[1]
+        for component in components
+        if isinstance(entry := index.get(component), list)
+        and len(entry) == 2
+        and entry[0] == "diffusers"
+    }
+
+
 def check_diffusers_component(directory: Path) -> None:
     """One diffusers component of the pipeline: a scheduler's config, or a model's
     ``config.json`` and weights, every safetensors file whole. Reads headers only."""
