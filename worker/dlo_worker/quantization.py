@@ -2,11 +2,19 @@
 
 Every ``nn.Linear`` inside the blocks DLO streams becomes a :class:`Float8Linear`: its
 weight is stored as ``float8_e4m3fn`` with one float32 scale per tensor
-(``amax / 448``, the design's per-tensor FP8), and its forward dequantizes the weight to
-the activation dtype on the device right before the matmul. So host memory, the bytes
-copied per step and each AllGather shard halve against bf16 (the weight is a
-parameter DLO packs like any other, one byte per element; the scale is a buffer and stays
-on the device), while activations and accumulation stay in the compute dtype.
+(``amax / 448``, the design's per-tensor FP8), and its forward casts the weight to the
+activation dtype on the device right before the matmul, which applies the scale as its
+``alpha``. So host memory, the bytes copied per step and each AllGather shard halve
+against bf16 (the weight is a parameter DLO packs like any other, one byte per element;
+the scale is a Python number, fixed at quantization), while activations and
+accumulation stay in the compute dtype.
+
+Why the scale is the GEMM's ``alpha`` and not a multiply of the weight: every e4m3 value
+is exact in bf16, so the cast loses nothing, and cuBLAS (and the CPU's GEMM) applies
+``alpha`` to the float32 accumulator in the epilogue: one elementwise pass over the
+weight (the cast) instead of two (cast, then multiply in a full-size temporary), and no
+rounding of the scaled weight to bf16. On an H200 the second pass was about a third of
+the FP8 step's dequantization cost (``docs/benchmarks.md``).
 
 Dequantize-then-matmul rather than an FP8 matmul (``torch._scaled_mm``): it runs on
 every device (the CPU included, so CI checks it), it is the same kernel sequence whether
@@ -28,7 +36,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional
 from tqdm.auto import tqdm
 
 from dlo_worker.offload.plan import discover
@@ -48,23 +55,31 @@ class Float8Linear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach().float()
         amax = weight.abs().amax()
-        # An all-zero weight keeps scale 1: zeros quantize exactly either way. The scale is
-        # rounded to the compute dtype first, since the forward multiplies by that value.
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        scale = scale.to(linear.weight.dtype)
+        # An all-zero weight keeps scale 1: zeros quantize exactly either way. Computed in
+        # float32 and kept as a Python number (exactly that float32 value): the GEMM's
+        # ``alpha``, so the forward never reads it from the device.
+        self.weight_scale = (amax / FP8_MAX).item() if amax > 0 else 1.0
         # Casting to e4m3fn does not saturate (beyond 448 it gives NaN): clamp.
-        quantized = (weight / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        quantized = (weight / self.weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         self.weight = nn.Parameter(quantized, requires_grad=False)
-        self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight.to(dtype) * self.weight_scale.to(dtype)
+        """The weight as ``dtype`` (for inspection; the forward never builds it)."""
+        return (self.weight.float() * self.weight_scale).to(dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return functional.linear(
-            hidden_states, self.dequantized_weight(hidden_states.dtype), self.bias
+        weight = self.weight.to(hidden_states.dtype)  # exact: e4m3 values fit in bf16
+        flat = hidden_states.reshape(-1, self.in_features)
+        bias = self.bias if self.bias is not None else flat.new_zeros(())
+        output = torch.addmm(
+            bias,
+            flat,
+            weight.t(),
+            beta=1 if self.bias is not None else 0,
+            alpha=self.weight_scale,
         )
+        return output.view(*hidden_states.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
