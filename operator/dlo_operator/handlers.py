@@ -3,11 +3,13 @@
 Triggers: the DiffusionDeployment's create/resume/update, a 10 s timer, and any
 event of a child Pod (a failed or deleted rank restarts its engine promptly) or of a
 warm Job (a node's cache state is reported promptly).
-I/O only: read the object, its Pods and its other children, call
-:func:`dlo_operator.reconcile.reconcile`, create, patch and delete what it says
-(409/404 are success: another sync did it), patch status and post the Events whose
-actions took effect. Passes over one deployment run one at a time. Child events only
-queue the deployment (:mod:`dlo_operator.workqueue`): a burst of them costs one pass.
+I/O only: read the object, read its Pods and its other children from kopf's watch-fed
+indexes (no LIST per pass; :mod:`dlo_operator.expectations` covers what the watch has
+not shown yet), call :func:`dlo_operator.reconcile.reconcile`, create, patch and delete
+what it says (409/404 are success: another sync did it), patch status and post the
+Events whose actions took effect. Passes over one deployment run one at a time. Child
+events only queue the deployment (:mod:`dlo_operator.workqueue`): a burst of them costs
+one pass.
 
 Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 """
@@ -18,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import kopf
 from kubernetes import client
@@ -33,6 +35,7 @@ from dlo_operator.api import (
     DiffusionDeploymentStatus,
 )
 from dlo_operator.coalesce import Coalescer
+from dlo_operator.expectations import PodExpectations
 from dlo_operator.reconcile import (
     Actions,
     ApplyFailure,
@@ -73,7 +76,7 @@ def api() -> client.ApiClient:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATION_PREFIX
     )
@@ -81,6 +84,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    # kopf hands its (live) indexes to every handler; the queue's threads read them here.
+    _indexes.update(
+        {index: kwargs[index] for index in (POD_INDEX, *(k.index for k in _CHILD_KINDS.values()))}
+    )
     start_workers(_queue, lambda key: sync(key[1], key[0]), QUEUE_WORKERS, name="dlo-reconcile")
 
 
@@ -97,27 +104,89 @@ def _post(body: dict[str, Any], events: list[Event], changed: set[str]) -> None:
         )
 
 
-_CHILD_APIS: dict[str, tuple[type, str]] = {
-    "Service": (client.CoreV1Api, "namespaced_service"),
-    "PodDisruptionBudget": (client.PolicyV1Api, "namespaced_pod_disruption_budget"),
-    "NetworkPolicy": (client.NetworkingV1Api, "namespaced_network_policy"),
-    "Job": (client.BatchV1Api, "namespaced_job"),
+@dataclass(frozen=True)
+class _ChildKind:
+    """How the operator reaches one kind of child besides Pods."""
+
+    api_class: type
+    suffix: str
+    """Of the API class's methods: ``create_{suffix}``, ``patch_...``, ``delete_...``."""
+    resource: tuple[str, str, str]
+    """Group, version and plural, for the watch."""
+    index: str
+    """The kopf index of these children, keyed by (namespace, deployment)."""
+
+
+_CHILD_KINDS = {
+    "Service": _ChildKind(
+        client.CoreV1Api, "namespaced_service", ("", "v1", "services"), "deployment_services"
+    ),
+    "PodDisruptionBudget": _ChildKind(
+        client.PolicyV1Api,
+        "namespaced_pod_disruption_budget",
+        ("policy", "v1", "poddisruptionbudgets"),
+        "deployment_budgets",
+    ),
+    "NetworkPolicy": _ChildKind(
+        client.NetworkingV1Api,
+        "namespaced_network_policy",
+        ("networking.k8s.io", "v1", "networkpolicies"),
+        "deployment_policies",
+    ),
+    "Job": _ChildKind(
+        client.BatchV1Api, "namespaced_job", ("batch", "v1", "jobs"), "deployment_jobs"
+    ),
 }
-"""Every kind of child besides Pods: its API class and method suffix."""
+POD_INDEX = "deployment_pods"
+_indexes: dict[str, Any] = {}
+"""kopf's live indexes by id, set at startup. kopf fills them from the watches it runs
+anyway (for the event handlers below) and holds every handler back until their first
+listing is in, so a pass reads Pods and children without a LIST."""
+_expectations = PodExpectations()
+_creating_children: set[tuple[str, str, str]] = set()
+"""(namespace, kind, name) of children a pass is creating: their ADDED event needs no
+pass, where a child someone else adds (an older release's budget, say) does."""
 
 
 def _child_call(kind: str, verb: str) -> Any:
-    api_class, suffix = _CHILD_APIS[kind]
-    return getattr(api_class(api()), f"{verb}_{suffix}")
+    child = _CHILD_KINDS[kind]
+    return getattr(child.api_class(api()), f"{verb}_{child.suffix}")
+
+
+async def _index_pod(namespace: str, labels: dict[str, str], body: Any, **_: Any) -> dict:
+    return {(namespace, labels[LABEL_DEPLOYMENT]): ObservedPod.from_manifest(body)}
+
+
+async def _index_child(
+    namespace: str, labels: dict[str, str], body: Any, param: str, **_: Any
+) -> dict:
+    child = ObservedChild.from_manifest(param, body)
+    job = ObservedJob.from_manifest(body) if param == "Job" else None
+    return {(namespace, labels[LABEL_DEPLOYMENT]): (child, job)}
+
+
+kopf.index("", "v1", "pods", id=POD_INDEX, labels={LABEL_DEPLOYMENT: kopf.PRESENT})(_index_pod)
+for _kind, _child in _CHILD_KINDS.items():
+    kopf.index(
+        *_child.resource, id=_child.index, param=_kind, labels={LABEL_DEPLOYMENT: kopf.PRESENT}
+    )(_index_child)
+
+
+def _indexed(index: str, key: tuple[str, str]) -> list[Any]:
+    """The values of ``key`` in a kopf index. kopf mutates its indexes on the event loop's
+    thread; ``list`` copies a store's values in one C call, which the GIL keeps whole."""
+    store = _indexes[index].get(key)
+    return list(store) if store is not None else []
+
+
+def _observe_pods(name: str, namespace: str) -> list[ObservedPod]:
+    key = (namespace, name)
+    return _expectations.overlay(key, _indexed(POD_INDEX, key), time.monotonic())
 
 
 def _observe_children(name: str, namespace: str) -> list[ObservedChild]:
-    label_selector = f"{LABEL_DEPLOYMENT}={name}"
-    return [
-        ObservedChild.from_manifest(kind, api().sanitize_for_serialization(item))
-        for kind in _CHILD_APIS
-        for item in _child_call(kind, "list")(namespace, label_selector=label_selector).items
-    ]
+    key = (namespace, name)
+    return [child for kind in _CHILD_KINDS.values() for child, _ in _indexed(kind.index, key)]
 
 
 def _observe_warming(
@@ -131,12 +200,7 @@ def _observe_warming(
         ObservedNode.from_manifest(sanitize(node), GPU_RESOURCE)
         for node in client.CoreV1Api(api()).list_node().items
     ]
-    jobs = [
-        ObservedJob.from_manifest(sanitize(job))
-        for job in client.BatchV1Api(api())
-        .list_namespaced_job(namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}")
-        .items
-    ]
+    jobs = [job for _, job in _indexed(_CHILD_KINDS["Job"].index, (namespace, name))]
     return nodes, jobs
 
 
@@ -155,8 +219,11 @@ def _api_message(error: client.ApiException) -> str:
         return f"{error.status} {error.reason}"
 
 
-def _apply(namespace: str, actions: Actions) -> tuple[set[str], list[ApplyFailure], bool]:
-    """Carry out the actions. Returns the Pods this call created or deleted, what the API
+def _apply(
+    namespace: str, deployment: str, actions: Actions
+) -> tuple[set[str], list[ApplyFailure], bool]:
+    """Carry out the actions for ``deployment``. Returns the Pods this call
+    created or deleted (also remembered as expectations until the watch shows them), what the API
     server refused (each logged once), and whether Pod creation was held back because a
     Service could not be applied (a Pod must not start without its rendezvous and client
     Services)."""
@@ -178,10 +245,12 @@ def _apply(namespace: str, actions: Actions) -> tuple[set[str], list[ApplyFailur
 
     for item in actions.apply_children:
         name, kind = item["metadata"]["name"], item["kind"]
+        _creating_children.add((namespace, kind, name))
         try:
             try:
                 _child_call(kind, "create")(namespace, item)
             except client.ApiException as error:
+                _creating_children.discard((namespace, kind, name))
                 _unless(error, 409)
                 _child_call(kind, "patch")(
                     name, namespace, item, _content_type="application/merge-patch+json"
@@ -196,19 +265,25 @@ def _apply(namespace: str, actions: Actions) -> tuple[set[str], list[ApplyFailur
             if error.status != 404:
                 refused("delete", kind, name, error)
     hold_pods = any(failure.kind == "Service" for failure in failures)
+    key = (namespace, deployment)
     for pod in [] if hold_pods else actions.create_pods:
+        name = pod["metadata"]["name"]
+        _expectations.creating(key, ObservedPod.from_manifest(pod), time.monotonic())
         try:
             core.create_namespaced_pod(namespace, pod)
-            changed.add(pod["metadata"]["name"])
+            changed.add(name)
         except client.ApiException as error:
-            if error.status != 409:
-                refused("create", "Pod", pod["metadata"]["name"], error)
+            if error.status != 409:  # 409: it exists, its event will come
+                _expectations.failed(key, name)
+                refused("create", "Pod", name, error)
     for name in actions.delete_pods:
+        _expectations.deleting(key, name, time.monotonic())
         try:
             core.delete_namespaced_pod(name, namespace)
             changed.add(name)
         except client.ApiException as error:
-            if error.status != 404:
+            if error.status != 404:  # 404: gone already, as the expectation says
+                _expectations.failed(key, name)
                 refused("delete", "Pod", name, error)
     return changed, failures, hold_pods and bool(actions.create_pods)
 
@@ -308,19 +383,14 @@ def _sync(name: str, namespace: str) -> list[ApplyFailure]:
         )
         _post(body, events, set())
         return []
-    pods = (
-        client.CoreV1Api(api())
-        .list_namespaced_pod(namespace, label_selector=f"{LABEL_DEPLOYMENT}={name}")
-        .items
-    )
-    observed = [ObservedPod.from_manifest(api().sanitize_for_serialization(p)) for p in pods]
+    observed = _observe_pods(name, namespace)
     owner = Owner(name=name, namespace=namespace, uid=metadata["uid"])
     children = _observe_children(name, namespace)
     nodes, jobs = _observe_warming(spec, name, namespace)
     actions = reconcile(
         owner, spec, generation, observed, previous, children=children, nodes=nodes, jobs=jobs
     )
-    changed, failures, pods_held_back = _apply(namespace, actions)
+    changed, failures, pods_held_back = _apply(namespace, name, actions)
     status, failure_events = report_apply_failures(
         actions.status, previous, failures, generation, pods_held_back=pods_held_back
     )
@@ -370,21 +440,25 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
         raise kopf.TemporaryError("waiting for the engines to drain", delay=2)
     _passes.forget((namespace, name))
     _last_passes.pop((namespace, name), None)
+    _expectations.forget((namespace, name))
 
 
 _seen_pods: dict[str, ObservedPod] = {}
 """What the last event of each child Pod (by uid) showed of what reconcile reads."""
+_seen_children: dict[str, ObservedChild] = {}
+"""Likewise for Services, budgets and policies: their name and configuration hash."""
+_Seen = TypeVar("_Seen", ObservedPod, ObservedChild)
 
 
-def pod_event_needs_pass(
-    seen: dict[str, ObservedPod], event_type: str, uid: str, observed: ObservedPod
-) -> bool:
-    """Whether a Pod event changes what a pass would read (and records what it saw).
+def event_needs_pass(seen: dict[str, _Seen], event_type: str, uid: str, observed: _Seen) -> bool:
+    """Whether a child's event changes what a pass would read (and records what it saw).
 
-    The first sight of a Pod is the operator's own creation (or the watch's initial list
-    when the operator starts, which the resume pass covers); a deleted Pod always counts;
-    otherwise only a change of phase, readiness, termination, spec hash or placement
-    labels does, not a binding, an IP or a status heartbeat.
+    The first sight of a child is the operator's own creation (or the watch's initial
+    list when the operator starts, which the resume pass covers); a deleted child always
+    counts; otherwise only a change of what reconcile reads does: for a Pod its phase,
+    readiness, termination, spec hash or placement labels, not a binding, an IP or a
+    status heartbeat; for another child its configuration hash, not the status its own
+    controller writes (a budget's allowed disruptions, for one).
     """
     if event_type == "DELETED":
         seen.pop(uid, None)
@@ -399,7 +473,9 @@ async def on_pod_event(
     labels: dict[str, str], namespace: str, body: Any, uid: str, **kwargs: Any
 ) -> None:
     observed = ObservedPod.from_manifest(body)
-    if pod_event_needs_pass(_seen_pods, kwargs["type"], uid, observed):
+    key = (namespace, labels[LABEL_DEPLOYMENT])
+    _expectations.observed(key, kwargs["type"], observed)
+    if event_needs_pass(_seen_pods, kwargs["type"], uid, observed):
         _queue.add((namespace, labels[LABEL_DEPLOYMENT]))
 
 
@@ -408,14 +484,21 @@ async def on_pod_event(
 @kopf.on.event(
     "networking.k8s.io", "v1", "networkpolicies", labels={LABEL_DEPLOYMENT: kopf.PRESENT}
 )
-async def on_child_event(labels: dict[str, str], namespace: str, **kwargs: Any) -> None:
-    """Someone changed or deleted a child: restore it now, not at the next resync. (The
-    operator's own creations, ADDED, need no pass.)"""
-    if kwargs["type"] in ("MODIFIED", "DELETED"):
+async def on_child_event(
+    labels: dict[str, str], namespace: str, body: Any, uid: str, **kwargs: Any
+) -> None:
+    """Someone added, changed or deleted a child: restore or remove it now, not at the
+    next resync."""
+    observed = ObservedChild.from_manifest(body["kind"], body)
+    created = (namespace, observed.kind, observed.name)
+    foreign = kwargs["type"] == "ADDED" and created not in _creating_children
+    _creating_children.discard(created)
+    if event_needs_pass(_seen_children, kwargs["type"], uid, observed) or foreign:
         _queue.add((namespace, labels[LABEL_DEPLOYMENT]))
 
 
 @kopf.on.event("batch", "v1", "jobs", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-async def on_warm_job_event(labels: dict[str, str], namespace: str, **_: Any) -> None:
+async def on_warm_job_event(labels: dict[str, str], namespace: str, name: str, **_: Any) -> None:
     """A warm Job started, finished or failed: report the node's cache state."""
+    _creating_children.discard((namespace, "Job", name))
     _queue.add((namespace, labels[LABEL_DEPLOYMENT]))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import yaml
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
+from tests.cluster.control_plane import ClusterState
 from tests.support.ports import free_port
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
@@ -156,3 +159,22 @@ def events(api_client, namespace: str, name: str, kind: str = "DiffusionDeployme
         namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={kind}"
     )
     return [event.reason for event in found.items for _ in range(event.count or 1)]
+
+
+_REQUEST_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$")
+
+
+def request_totals(state: ClusterState) -> dict[tuple[str, str], float]:
+    """The API server's ``apiserver_request_total`` summed by (verb, resource), read with
+    the admin certificate of the local control plane ``state``."""
+    pki = Path(state.directory) / "pki"
+    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    context.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    text = urllib.request.urlopen(f"{state.server}/metrics", context=context).read().decode()
+    totals: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if match := _REQUEST_SAMPLE.match(line):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+            key = (labels.get("verb", ""), labels.get("resource", ""))
+            totals[key] = totals.get(key, 0.0) + float(match["value"])
+    return totals

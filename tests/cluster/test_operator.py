@@ -17,12 +17,13 @@ import pytest
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from dlo_operator.render import ANNOTATION_SPEC_HASH
+from dlo_operator.render import ANNOTATION_CONFIG_HASH, ANNOTATION_SPEC_HASH
 from tests.cluster.helpers import (
     create,
     events,
     eventually,
     manifest,
+    request_totals,
     running_operator,
 )
 
@@ -435,3 +436,116 @@ def test_a_child_deleted_by_someone_else_is_restored_at_once(
 
     eventually(restored, 30, "the client Service restored")
     assert time.monotonic() - started < 8  # a watch event, not the 10 s timer or the resync
+
+
+def _quiet_control_plane(api_client) -> None:
+    """Wait until no namespace of an earlier test is terminating: the namespace controller
+    lists every kind in one, and the garbage collector reads owners, which would count as
+    the operator's requests in ``apiserver_request_total``."""
+    core = client.CoreV1Api(api_client)
+    eventually(
+        lambda: all(ns.status.phase != "Terminating" for ns in core.list_namespace().items),
+        120,
+        "earlier tests' namespaces gone",
+    )
+    time.sleep(2)  # the creation's own passes are over
+
+
+LISTED_CHILDREN = ("pods", "services", "poddisruptionbudgets", "networkpolicies", "jobs")
+
+
+def test_passes_read_pods_and_children_from_the_watches_not_from_lists(
+    api_client, operator, cluster, namespace
+) -> None:
+    """Each pass takes a deployment's Pods and children from the operator's watches: three
+    passes (each restoring a deleted Service) list nothing, where each used to list Pods,
+    Services, budgets, policies and Jobs; and nothing a pass just did is mistaken for a
+    lost rank."""
+    create(api_client, namespace, manifest("flux"))
+    eventually(
+        lambda: _condition(_status(api_client, namespace, "flux"), "Available") == "True",
+        90,
+        "Available",
+    )
+    core = client.CoreV1Api(api_client)
+    _quiet_control_plane(api_client)
+
+    def lists() -> dict[str, float]:
+        totals = request_totals(cluster)
+        return {resource: totals.get(("LIST", resource), 0.0) for resource in LISTED_CHILDREN}
+
+    before = lists()
+    for _ in range(3):
+        uid = core.read_namespaced_service("flux", namespace).metadata.uid
+        core.delete_namespaced_service("flux", namespace)
+
+        def restored(uid: str = uid) -> bool:
+            try:
+                return core.read_namespaced_service("flux", namespace).metadata.uid != uid
+            except client.ApiException as error:
+                if error.status == 404:
+                    return False
+                raise
+
+        eventually(restored, 30, "the client Service restored")
+    after = lists()
+    listed = {resource: after[resource] - before[resource] for resource in LISTED_CHILDREN}
+    # Each pass used to list all five kinds (15 LISTs here); the control plane's own
+    # controllers may list now and then, never once per pass.
+    assert sum(listed.values()) < 3, listed
+    status = _status(api_client, namespace, "flux")
+    assert _condition(status, "Available") == "True"
+    assert status["engines"]
+    assert all(engine["restarts"] == 0 for engine in status["engines"])
+
+
+def test_status_written_to_a_child_by_its_controller_queues_no_pass(
+    api_client, operator, cluster, namespace
+) -> None:
+    """A budget's status (the disruption controller writes it as Pods come and go) and a
+    label someone adds to a Service change nothing a pass reads: no pass runs. A changed
+    configuration hash does, and the pass restores the child."""
+    create(api_client, namespace, manifest("flux"))
+    eventually(
+        lambda: _condition(_status(api_client, namespace, "flux"), "Available") == "True",
+        90,
+        "Available",
+    )
+    core, policy = client.CoreV1Api(api_client), client.PolicyV1Api(api_client)
+    _quiet_control_plane(api_client)
+
+    def passes() -> float:  # each pass reads the DiffusionDeployment once
+        return request_totals(cluster).get(("GET", "diffusiondeployments"), 0.0)
+
+    before = passes()
+    policy.patch_namespaced_pod_disruption_budget_status(
+        "flux",
+        namespace,
+        {
+            "status": {
+                "disruptionsAllowed": 0,
+                "currentHealthy": 0,
+                "desiredHealthy": 1,
+                "expectedPods": 1,
+            }
+        },
+    )
+    core.patch_namespaced_service("flux", namespace, {"metadata": {"labels": {"team": "a"}}})
+    time.sleep(3)
+    assert passes() == before
+
+    rendered = core.read_namespaced_service("flux", namespace).metadata.annotations
+    core.patch_namespaced_service(
+        "flux", namespace, {"metadata": {"annotations": {ANNOTATION_CONFIG_HASH: "edited"}}}
+    )
+    eventually(
+        lambda: (
+            core.read_namespaced_service("flux", namespace).metadata.annotations[
+                ANNOTATION_CONFIG_HASH
+            ]
+            == rendered[ANNOTATION_CONFIG_HASH]
+        ),
+        8,
+        "the edited client Service restored by a pass",
+    )
+    assert passes() > before

@@ -71,18 +71,33 @@ def test_workers_process_each_key_alone_and_stop_on_shutdown() -> None:
 
 
 def test_only_pod_events_that_change_what_a_pass_reads_queue_one() -> None:
-    from dlo_operator.handlers import pod_event_needs_pass
+    from dlo_operator.handlers import event_needs_pass
     from dlo_operator.reconcile import ObservedPod
 
     def pod(phase: str = "Pending", ready: bool = False) -> ObservedPod:
         return ObservedPod("d-e0-n0", 0, 0, "hash", phase, ready, terminating=False)
 
     seen: dict = {}
-    assert not pod_event_needs_pass(seen, "ADDED", "u1", pod())  # our own creation
-    assert not pod_event_needs_pass(seen, "MODIFIED", "u1", pod())  # bound to a node
-    assert pod_event_needs_pass(seen, "MODIFIED", "u1", pod("Running"))
-    assert pod_event_needs_pass(seen, "MODIFIED", "u1", pod("Running", ready=True))
-    assert not pod_event_needs_pass(seen, "MODIFIED", "u1", pod("Running", ready=True))
-    assert pod_event_needs_pass(seen, "DELETED", "u1", pod("Running", ready=True))
+    assert not event_needs_pass(seen, "ADDED", "u1", pod())  # our own creation
+    assert not event_needs_pass(seen, "MODIFIED", "u1", pod())  # bound to a node
+    assert event_needs_pass(seen, "MODIFIED", "u1", pod("Running"))
+    assert event_needs_pass(seen, "MODIFIED", "u1", pod("Running", ready=True))
+    assert not event_needs_pass(seen, "MODIFIED", "u1", pod("Running", ready=True))
+    assert event_needs_pass(seen, "DELETED", "u1", pod("Running", ready=True))
     assert seen == {}
-    assert not pod_event_needs_pass(seen, None, "u2", pod("Running"))  # the initial list
+    assert not event_needs_pass(seen, None, "u2", pod("Running"))  # the initial list
+
+
+def test_only_child_events_that_change_its_configuration_queue_a_pass() -> None:
+    from dlo_operator.handlers import event_needs_pass
+    from dlo_operator.reconcile import ObservedChild
+
+    budget = ObservedChild("PodDisruptionBudget", "d-e0", "hash")
+    seen: dict = {}
+    assert not event_needs_pass(seen, "ADDED", "u1", budget)  # our own creation
+    # The disruption controller writes the budget's status: nothing a pass reads.
+    assert not event_needs_pass(seen, "MODIFIED", "u1", budget)
+    edited = ObservedChild("PodDisruptionBudget", "d-e0", "")
+    assert event_needs_pass(seen, "MODIFIED", "u1", edited)  # someone changed it
+    assert event_needs_pass(seen, "DELETED", "u1", edited)
+    assert seen == {}
