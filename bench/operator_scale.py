@@ -3,8 +3,10 @@
 Creates N deployments of one 1-GPU engine each, with the operator run as a process with
 the arguments the chart renders (cluster-wide), and prints:
 
-- the time from the first create until every deployment is Available;
-- the operator's CPU seconds and RSS by then;
+- the time from the first create until every deployment is Available (followed with one
+  watch, as ``kubectl wait`` does);
+- the operator's CPU seconds and RSS by then, and each control-plane process's CPU
+  seconds (on 2 cores they compete with the operator);
 - at steady state (``--settle-s`` after everything is Available, over ``--steady-s``):
   the operator's share of a core, and API requests per second from the API server's
   ``apiserver_request_total``: all of them, and those of the verbs and resources the
@@ -31,7 +33,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kubernetes import client, config
+from kubernetes import client, config, watch
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.crd import custom_resource_definition
@@ -84,15 +86,43 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def available_count(objects: client.CustomObjectsApi) -> int:
-    items = objects.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-    return sum(
-        any(
-            c["type"] == "Available" and c["status"] == "True"
-            for c in (item.get("status") or {}).get("conditions", [])
-        )
-        for item in items
+def _available(item: dict) -> bool:
+    return any(
+        c["type"] == "Available" and c["status"] == "True"
+        for c in (item.get("status") or {}).get("conditions", [])
     )
+
+
+def wait_all_available(
+    objects: client.CustomObjectsApi, count: int, resource_version: str, timeout_s: float
+) -> None:
+    """Return once ``count`` deployments are Available, following one watch from
+    ``resource_version`` (as ``kubectl wait`` does): polling a LIST of every deployment
+    would cost the API server more than some of what is measured."""
+    available: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(available) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(available)}/{count} Available after {timeout_s:.0f} s")
+        stream = watch.Watch().stream(
+            objects.list_cluster_custom_object,
+            GROUP,
+            VERSION,
+            PLURAL,
+            resource_version=resource_version,
+            timeout_seconds=60,
+        )
+        for event in stream:
+            item = event["object"]
+            metadata = item["metadata"]
+            resource_version = metadata["resourceVersion"]
+            key = (metadata["namespace"], metadata["name"])
+            if event["type"] != "DELETED" and _available(item):
+                available.add(key)
+            else:
+                available.discard(key)
+            if len(available) == count:
+                return
 
 
 def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
@@ -124,6 +154,7 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
                 core.create_namespace(
                     client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace))
                 )
+            listed = objects.list_cluster_custom_object(GROUP, VERSION, PLURAL)
             cpu_before, totals_at_start = cpu_seconds(operator.pid), request_totals(state)
             components_before = component_cpu_seconds(state)
             started = time.monotonic()
@@ -134,13 +165,17 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
                     GROUP, VERSION, namespaces[index // 100], PLURAL, body
                 )
 
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(create, range(count)))
-            created_s = time.monotonic() - started
-            while (ready := available_count(objects)) < count:
-                if time.monotonic() - started > 1800:
-                    raise TimeoutError(f"{ready}/{count} Available after 30 min")
-                time.sleep(1)
+            with ThreadPoolExecutor(1) as watcher, ThreadPoolExecutor(8) as creators:
+                all_available = watcher.submit(
+                    wait_all_available,
+                    objects,
+                    count,
+                    listed["metadata"]["resourceVersion"],
+                    1800,
+                )
+                list(creators.map(create, range(count)))
+                created_s = time.monotonic() - started
+                all_available.result()
             available_s = time.monotonic() - started
             cpu_to_available = cpu_seconds(operator.pid) - cpu_before
             components_to_available = {
