@@ -74,14 +74,48 @@ def crd(api_client) -> None:
     )
 
 
+REQUIRE_REAL_NODES = "DLO_REQUIRE_REAL_NODES"
+"""Set to 1 (``.ci/run`` does) and a machine that cannot host real nodes fails the tier
+instead of skipping it."""
+
+
+def _cannot_run_real_nodes(reason: str) -> None:
+    if os.environ.get(REQUIRE_REAL_NODES) == "1":
+        pytest.fail(f"{reason}, and {REQUIRE_REAL_NODES}=1 requires them", pytrace=False)
+    pytest.skip(reason)
+
+
+_real_node_tests: set[str] = set()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _real_node_tests.update(
+        item.nodeid for item in items if "real_cluster" in getattr(item, "fixturenames", ())
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line saying how many tests of the real-node tier ran, so a log shows it ran."""
+    outcomes: dict[str, int] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if report.nodeid in _real_node_tests and (
+                report.when == "call" or outcome in ("error", "skipped")
+            ):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    if outcomes:
+        counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
+        terminalreporter.write_line(f"real-node tier: {counts}")
+
+
 @pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     """Two real nodes (:mod:`tests.cluster.nodes`) and no fake ones, shared by the modules
     that need containers to run; skipped where the machine cannot host them."""
     if os.geteuid() != 0:
-        pytest.skip("real nodes need root (containerd, cgroups, bridges)")
+        _cannot_run_real_nodes("real nodes need root (containerd, cgroups, bridges)")
     if missing_host_tools() and not Path("/usr/bin/apt-get").exists():
-        pytest.skip(f"real nodes need {missing_host_tools()}")
+        _cannot_run_real_nodes(f"real nodes need {missing_host_tools()}")
     directory = tmp_path_factory.mktemp("real-cluster")
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     state = up(directory, nodes=0, real_nodes=2, progress=progress)
