@@ -19,8 +19,9 @@ the FP8 step's dequantization cost (``docs/benchmarks.md``).
 Dequantize-then-matmul rather than an FP8 matmul (``torch._scaled_mm``): it runs on
 every device (the CPU included, so CI checks it), it is the same kernel sequence whether
 the weight was streamed or resident (DLO's bitwise rule), and it keeps activations in
-bf16 for quality; an offloaded step is bound by the copies, not the matmuls, so FP8
-compute would not shorten it. Weights outside the blocks (embedders, final projection)
+bf16 for quality. Measured on an H200, an FP8 GEMM with activations quantized per tensor
+on the fly was no faster resident, left the FP8 DLO step where it was, and cost 2 dB of
+PSNR against bf16 (``docs/benchmarks.md``). Weights outside the blocks (embedders, final projection)
 stay in the compute dtype: they are resident and small, and the first and last layers
 are the most sensitive to quantization.
 
