@@ -11,8 +11,9 @@ again if the call fails; a watch event of that Pod ends it (the index is updated
 the event handlers run, so from then on the index shows it), and passes read the index
 with these overlaid. Pods are matched by name: reconcile creates a name again only once
 the index no longer shows the old Pod of that name. An expectation also lapses after
-:data:`EXPECTATION_TIMEOUT_S`, so a lost event can cost a resync, never a stuck
-deployment.
+:data:`EXPECTATION_TIMEOUT_S` and :meth:`PodExpectations.lapsed` then makes the timer
+run a pass, so a lost event (or a call that got no answer) costs that long, never a
+stuck deployment.
 
 Pure bookkeeping under one lock; the clock is an argument so tests need not sleep.
 """
@@ -88,6 +89,18 @@ class PodExpectations:
             shown = {pod.name for pod in indexed}
             pods += [item.pod for name, item in created.items() if name not in shown]
             return pods
+
+    def lapsed(self, key: Key, now: float) -> bool:
+        """Whether an expectation of ``key`` has run out with no event to end it: the pass
+        that drops it is due (it may create or delete what the expectation held back)."""
+        with self._lock:
+            return any(
+                now - at >= self._timeout_s
+                for at in [
+                    *(item.at for item in self._created.get(key, {}).values()),
+                    *self._deleted.get(key, {}).values(),
+                ]
+            )
 
     def forget(self, key: Key) -> None:
         """The deployment is gone."""

@@ -204,19 +204,94 @@ def _observe_warming(
     return nodes, jobs
 
 
-def _unless(error: client.ApiException, status: int) -> None:
-    """Re-raise ``error`` unless it is ``status``: 409 on create and 404 on delete mean
-    another pass (or the garbage collector) already did it."""
-    if error.status != status:
-        raise error
-
-
 def _api_message(error: client.ApiException) -> str:
     """The API server's own message (its Status body), else the HTTP reason."""
     try:
         return json.loads(error.body)["message"]
     except (TypeError, ValueError, KeyError):
         return f"{error.status} {error.reason}"
+
+
+def _refused(
+    verb: str, kind: str, namespace: str, name: str, error: client.ApiException
+) -> ApplyFailure:
+    """The API server refused an action: logged once here, reported by the status."""
+    failure = ApplyFailure(verb, kind, name, _api_message(error))
+    logger.warning(
+        "the API server refused to %s %s %s/%s: %s", verb, kind, namespace, name, failure.message
+    )
+    return failure
+
+
+def _apply_child(namespace: str, item: dict[str, Any]) -> ApplyFailure | None:
+    """Create the child, or patch it to this rendering where it exists."""
+    name, kind = item["metadata"]["name"], item["kind"]
+    _creating_children.add((namespace, kind, name))
+    try:
+        _child_call(kind, "create")(namespace, item)
+        return None
+    except client.ApiException as error:
+        _creating_children.discard((namespace, kind, name))
+        if error.status != 409:  # 409: it exists, patch it below
+            return _refused("apply", kind, namespace, name, error)
+    except BaseException:
+        # No answer (the API server restarts, say): an ADDED event of this name may then
+        # read as someone else's, which costs one extra pass.
+        _creating_children.discard((namespace, kind, name))
+        raise
+    try:
+        _child_call(kind, "patch")(
+            name, namespace, item, _content_type="application/merge-patch+json"
+        )
+    except client.ApiException as error:
+        return _refused("apply", kind, namespace, name, error)
+    return None
+
+
+def _delete_child(namespace: str, kind: str, name: str) -> ApplyFailure | None:
+    try:
+        # Background: a Job's Pods go with it (a Job's default is to orphan them).
+        _child_call(kind, "delete")(name, namespace, propagation_policy="Background")
+    except client.ApiException as error:
+        if error.status != 404:  # 404: gone already
+            return _refused("delete", kind, namespace, name, error)
+    return None
+
+
+def _create_pod(key: tuple[str, str], pod: dict[str, Any]) -> ApplyFailure | bool:
+    """The failure, else whether this call created the Pod (a 409 means it exists and
+    its event will come)."""
+    namespace, name = key[0], pod["metadata"]["name"]
+    _expectations.creating(key, ObservedPod.from_manifest(pod), time.monotonic())
+    try:
+        client.CoreV1Api(api()).create_namespaced_pod(namespace, pod)
+    except client.ApiException as error:
+        if error.status == 409:
+            return False
+        _expectations.failed(key, name)
+        return _refused("create", "Pod", namespace, name, error)
+    except BaseException:
+        # No answer (the API server restarts, say): whether the Pod exists is unknown,
+        # and creating it again is safe (an existing name is answered 409).
+        _expectations.failed(key, name)
+        raise
+    return True
+
+
+def _delete_pod(key: tuple[str, str], name: str) -> ApplyFailure | bool:
+    """The failure, else whether this call deleted the Pod (a 404: it was gone).
+
+    A deletion that gets no answer stays expected until it lapses: deleting again at
+    once could count an engine's restart twice."""
+    _expectations.deleting(key, name, time.monotonic())
+    try:
+        client.CoreV1Api(api()).delete_namespaced_pod(name, key[0])
+    except client.ApiException as error:
+        if error.status == 404:  # gone already, as the expectation says
+            return False
+        _expectations.failed(key, name)
+        return _refused("delete", "Pod", key[0], name, error)
+    return True
 
 
 def _apply(
@@ -226,66 +301,26 @@ def _apply(
     created or deleted (also remembered as expectations until the watch shows them), what the API
     server refused (each logged once), and whether Pod creation was held back because a
     Service could not be applied (a Pod must not start without its rendezvous and client
-    Services)."""
-    core = client.CoreV1Api(api())
-    changed: set[str] = set()
-    failures: list[ApplyFailure] = []
-
-    def refused(verb: str, kind: str, name: str, error: client.ApiException) -> None:
-        failure = ApplyFailure(verb, kind, name, _api_message(error))
-        failures.append(failure)
-        logger.warning(
-            "the API server refused to %s %s %s/%s: %s",
-            verb,
-            kind,
-            namespace,
-            name,
-            failure.message,
-        )
-
-    for item in actions.apply_children:
-        name, kind = item["metadata"]["name"], item["kind"]
-        _creating_children.add((namespace, kind, name))
-        try:
-            try:
-                _child_call(kind, "create")(namespace, item)
-            except client.ApiException as error:
-                _creating_children.discard((namespace, kind, name))
-                _unless(error, 409)
-                _child_call(kind, "patch")(
-                    name, namespace, item, _content_type="application/merge-patch+json"
-                )
-        except client.ApiException as error:
-            refused("apply", kind, name, error)
-    for kind, name in actions.delete_children:
-        try:
-            # Background: a Job's Pods go with it (a Job's default is to orphan them).
-            _child_call(kind, "delete")(name, namespace, propagation_policy="Background")
-        except client.ApiException as error:
-            if error.status != 404:
-                refused("delete", kind, name, error)
-    hold_pods = any(failure.kind == "Service" for failure in failures)
+    Services). An error other than a refusal (no answer) ends the pass: it is retried."""
+    failures = [
+        *(_apply_child(namespace, item) for item in actions.apply_children),
+        *(_delete_child(namespace, kind, name) for kind, name in actions.delete_children),
+    ]
+    hold_pods = any(failure and failure.kind == "Service" for failure in failures)
     key = (namespace, deployment)
-    for pod in [] if hold_pods else actions.create_pods:
-        name = pod["metadata"]["name"]
-        _expectations.creating(key, ObservedPod.from_manifest(pod), time.monotonic())
-        try:
-            core.create_namespaced_pod(namespace, pod)
+    outcomes = [
+        (pod["metadata"]["name"], _create_pod(key, pod))
+        for pod in ([] if hold_pods else actions.create_pods)
+    ]
+    outcomes += [(name, _delete_pod(key, name)) for name in actions.delete_pods]
+    changed: set[str] = set()
+    for name, outcome in outcomes:
+        if isinstance(outcome, ApplyFailure):
+            failures.append(outcome)
+        elif outcome:
             changed.add(name)
-        except client.ApiException as error:
-            if error.status != 409:  # 409: it exists, its event will come
-                _expectations.failed(key, name)
-                refused("create", "Pod", name, error)
-    for name in actions.delete_pods:
-        _expectations.deleting(key, name, time.monotonic())
-        try:
-            core.delete_namespaced_pod(name, namespace)
-            changed.add(name)
-        except client.ApiException as error:
-            if error.status != 404:  # 404: gone already, as the expectation says
-                _expectations.failed(key, name)
-                refused("delete", "Pod", name, error)
-    return changed, failures, hold_pods and bool(actions.create_pods)
+    refused = [failure for failure in failures if failure is not None]
+    return changed, refused, hold_pods and bool(actions.create_pods)
 
 
 _passes = Coalescer()
@@ -343,16 +378,17 @@ def sync(name: str, namespace: str) -> list[ApplyFailure]:
     return _passes.run(key, one_pass) or []
 
 
-def pass_due(last: _LastPass | None, now: float, *, warming: bool) -> bool:
+def pass_due(last: _LastPass | None, now: float, *, warming: bool, lapsed: bool) -> bool:
     """Whether the timer runs a pass: events (the resource, its Pods, Jobs and children)
     trigger passes as things change, so a steady deployment needs one only every
-    :data:`RESYNC_S`; sooner after a refusal (the retry), and every tick while warm Jobs
-    track the nodes (a new node is not an event of this deployment). Before the first
-    pass of this process ends the create or resume handler is running it: the timer's
-    first tick, right after the resource appears, adds none."""
+    :data:`RESYNC_S`; sooner after a refusal or an error (the retry), once a Pod
+    expectation has ``lapsed`` (no event will trigger the pass it held back), and every
+    tick while warm Jobs track the nodes (a new node is not an event of this
+    deployment). Before the first pass of this process ends the create or resume handler
+    is running it: the timer's first tick, right after the resource appears, adds none."""
     if last is None:
         return False
-    return last.refused or warming or now - last.at >= RESYNC_S
+    return last.refused or warming or lapsed or now - last.at >= RESYNC_S
 
 
 def _sync(name: str, namespace: str) -> list[ApplyFailure]:
@@ -414,7 +450,10 @@ def on_change(name: str, namespace: str, retry: int, **_: Any) -> None:
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_INTERVAL_S)
 def on_timer(name: str, namespace: str, spec: Any, **_: Any) -> None:
     cache = ((spec.get("offload") or {}).get("runtimeCache") or {}).get("enabled", False)
-    if pass_due(_last_passes.get((namespace, name)), time.monotonic(), warming=bool(cache)):
+    key, now = (namespace, name), time.monotonic()
+    if pass_due(
+        _last_passes.get(key), now, warming=bool(cache), lapsed=_expectations.lapsed(key, now)
+    ):
         sync(name, namespace)
 
 

@@ -412,6 +412,12 @@ def _start_components(
             "--use-service-account-credentials=false",
             "--controllers",
             "*",
+            # kwok plays a fake node's kubelet only once: a node marked NotReady while
+            # the API server restarts (its lease could not be renewed) has its Pods set
+            # Ready=False for good, where a real kubelet would report them Ready again.
+            # Tests that restart the API server are about the operator, not node health.
+            "--node-monitor-grace-period",
+            "10m",
         ],
     )
     launcher.start("kube-scheduler", [*common, "--secure-port", str(free_port())])

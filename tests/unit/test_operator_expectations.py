@@ -90,3 +90,16 @@ def test_expectations_lapse_after_the_timeout_and_are_per_deployment() -> None:
     expectations.creating(KEY, _pod("flux-0-0"), now=100.0)
     expectations.forget(KEY)
     assert expectations.overlay(KEY, [], now=101.0) == []
+
+
+def test_a_lapsed_expectation_is_reported_until_a_pass_drops_it() -> None:
+    """No event ends it, so the timer must run the pass it held back."""
+    expectations = PodExpectations(timeout_s=60.0)
+    expectations.deleting(KEY, "flux-0-1", now=0.0)
+    expectations.creating(KEY, _pod("flux-0-0"), now=30.0)
+    assert not expectations.lapsed(KEY, now=59.0)
+    assert expectations.lapsed(KEY, now=60.0)
+    assert not expectations.lapsed(("team", "wan"), now=60.0)
+    expectations.overlay(KEY, [], now=60.0)  # the pass
+    assert not expectations.lapsed(KEY, now=60.0)
+    assert expectations.lapsed(KEY, now=90.0)

@@ -346,9 +346,11 @@ def test_the_timer_runs_a_pass_only_when_one_is_due() -> None:
     from dlo_operator.handlers import RESYNC_S, _LastPass, pass_due
 
     # The create or resume handler runs the first pass; the timer's first tick adds none.
-    assert not pass_due(None, 100.0, warming=True)
+    assert not pass_due(None, 100.0, warming=True, lapsed=True)
     recent = _LastPass(at=100.0, refused=False)
-    assert not pass_due(recent, 110.0, warming=False)  # events keep it current
-    assert pass_due(recent, 100.0 + RESYNC_S, warming=False)  # the resync
-    assert pass_due(_LastPass(at=100.0, refused=True), 110.0, warming=False)  # the retry
-    assert pass_due(recent, 110.0, warming=True)  # warm Jobs follow the nodes
+    steady = {"warming": False, "lapsed": False}
+    assert not pass_due(recent, 110.0, **steady)  # events keep it current
+    assert pass_due(recent, 100.0 + RESYNC_S, **steady)  # the resync
+    assert pass_due(_LastPass(at=100.0, refused=True), 110.0, **steady)  # the retry
+    assert pass_due(recent, 110.0, warming=True, lapsed=False)  # warm Jobs follow the nodes
+    assert pass_due(recent, 110.0, warming=False, lapsed=True)  # an event never came

@@ -1,0 +1,80 @@
+"""A pass cut off by an unreachable API server (a restart, a network partition) must not
+leave bookkeeping behind that holds the deployment back once the server is back.
+
+The API server here is a real TCP port with nothing listening: the client gets the same
+connection error it gets while a real server restarts, with no answer to tell whether
+the call took effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+from urllib3.exceptions import HTTPError
+
+from dlo_operator import handlers
+from dlo_operator.expectations import EXPECTATION_TIMEOUT_S
+from dlo_operator.reconcile import Actions, ObservedPod
+from dlo_operator.render import Owner, render_children, render_engine_pods
+from tests.support.deployments import deployment_spec
+from tests.support.ports import free_port
+
+OWNER = Owner(name="flux", namespace="serving", uid="1234")
+KEY = (OWNER.namespace, OWNER.name)
+
+
+@pytest.fixture
+def unreachable_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The handlers' client pointed at a port nobody listens on."""
+    configuration = client.Configuration(host=f"https://127.0.0.1:{free_port()}")
+    configuration.retries = 0
+    monkeypatch.setattr(handlers, "_api", client.ApiClient(configuration))
+    yield
+    handlers._expectations.forget(KEY)
+    handlers._creating_children.clear()
+
+
+def _rank(index: int) -> dict:
+    return render_engine_pods(OWNER, deployment_spec(parallelism={"data": 4}), 0)[index]
+
+
+def test_a_pod_creation_without_an_answer_is_not_expected_any_longer(
+    unreachable_api: None,
+) -> None:
+    """Else the pass after the outage counts the Pod as created and starts nothing for
+    a minute; creating it again is safe (a name that exists is answered 409)."""
+    with pytest.raises(HTTPError):
+        handlers._apply(OWNER.namespace, OWNER.name, Actions(create_pods=[_rank(0)]))
+    assert handlers._expectations.overlay(KEY, [], now=handlers.time.monotonic()) == []
+
+
+def test_a_child_creation_without_an_answer_is_not_taken_for_ours(
+    unreachable_api: None,
+) -> None:
+    service = render_children(OWNER, deployment_spec())[0]
+    with pytest.raises(HTTPError):
+        handlers._apply(OWNER.namespace, OWNER.name, Actions(apply_children=[service]))
+    assert handlers._creating_children == set()
+
+
+def test_a_pod_deletion_without_an_answer_lapses_and_then_a_pass_is_due(
+    unreachable_api: None,
+) -> None:
+    """The deletion may have taken effect: deleting again could count an engine's restart
+    twice, so the Pod reads as terminating until the watch says otherwise; if no event
+    comes, the expectation lapses and the timer runs the pass that deletes it again."""
+    live = ObservedPod.from_manifest(_rank(1))
+    with pytest.raises(HTTPError):
+        handlers._apply(OWNER.namespace, OWNER.name, Actions(delete_pods=[live.name]))
+    now = handlers.time.monotonic()
+    assert handlers._expectations.overlay(KEY, [live], now)[0].terminating
+    steady = handlers._LastPass(at=now, refused=False)
+    assert not handlers.pass_due(
+        steady, now + 1, warming=False, lapsed=handlers._expectations.lapsed(KEY, now + 1)
+    )
+    later = now + EXPECTATION_TIMEOUT_S
+    assert handlers.pass_due(
+        steady, later, warming=False, lapsed=handlers._expectations.lapsed(KEY, later)
+    )
