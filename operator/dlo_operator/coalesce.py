@@ -61,6 +61,12 @@ class Coalescer:
                 state.again = False
             raise
 
+    def running(self, key: Hashable) -> bool:
+        """Whether a pass over ``key`` is running now."""
+        with self._guard:
+            state = self._states.get(key)
+            return state is not None and state.running
+
     def forget(self, key: Hashable) -> None:
         """Drop the state of a deleted object (keys otherwise live as long as the process)."""
         with self._guard:

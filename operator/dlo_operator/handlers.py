@@ -57,8 +57,22 @@ TIMER_INTERVAL_S = 10.0
 RESYNC_S = 300.0
 """A full pass at least this often without any event (drift the watches did not see)."""
 MAX_RETRY_DELAY_S = 60.0
+REQUEST_TIMEOUT_S = (5.0, 30.0)
+"""Connect and read timeouts of every API call a pass makes. Without them a call the
+API server never answers (it restarted mid-request, or a partition dropped the
+connection) blocks its pass for good, and with it every later pass over the deployment."""
 
 logger = logging.getLogger(__name__)
+
+
+class TimedApiClient(client.ApiClient):
+    """The kubernetes client with :data:`REQUEST_TIMEOUT_S` on every call that sets none
+    (the client's own default is to wait forever)."""
+
+    def call_api(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
+        timeout = REQUEST_TIMEOUT_S if _request_timeout is None else _request_timeout
+        return super().call_api(*args, _request_timeout=timeout, **kwargs)
+
 
 _api: client.ApiClient | None = None
 
@@ -71,7 +85,7 @@ def api() -> client.ApiClient:
             kube_config.load_incluster_config()
         except kube_config.ConfigException:
             kube_config.load_kube_config()
-        _api = client.ApiClient()
+        _api = TimedApiClient()
     return _api
 
 
@@ -357,6 +371,8 @@ class _LastPass:
 
 
 _last_passes: dict[tuple[str, str], _LastPass] = {}
+_first_ticks: dict[tuple[str, str], float] = {}
+"""When the timer first saw each deployment (``time.monotonic()``)."""
 
 
 def sync(name: str, namespace: str) -> list[ApplyFailure]:
@@ -378,16 +394,30 @@ def sync(name: str, namespace: str) -> list[ApplyFailure]:
     return _passes.run(key, one_pass) or []
 
 
-def pass_due(last: _LastPass | None, now: float, *, warming: bool, lapsed: bool) -> bool:
+def pass_due(
+    last: _LastPass | None,
+    now: float,
+    *,
+    first_tick: float,
+    running: bool,
+    warming: bool,
+    lapsed: bool,
+) -> bool:
     """Whether the timer runs a pass: events (the resource, its Pods, Jobs and children)
     trigger passes as things change, so a steady deployment needs one only every
     :data:`RESYNC_S`; sooner after a refusal or an error (the retry), once a Pod
     expectation has ``lapsed`` (no event will trigger the pass it held back), and every
     tick while warm Jobs track the nodes (a new node is not an event of this
-    deployment). Before the first pass of this process ends the create or resume handler
-    is running it: the timer's first tick, right after the resource appears, adds none."""
-    if last is None:
+    deployment). None while a pass is ``running`` (its end is recorded, the next tick
+    decides). The create or resume handler runs the first pass: the timer's first tick
+    (``first_tick``, right after the resource appears) adds none, but if a whole interval
+    went by without a pass, that handler has not run (kopf's own request failed, the
+    API server restarting, say, and no new event of the resource came) and the timer
+    runs the first pass."""
+    if running:
         return False
+    if last is None:
+        return now - first_tick >= TIMER_INTERVAL_S
     return last.refused or warming or lapsed or now - last.at >= RESYNC_S
 
 
@@ -452,7 +482,12 @@ def on_timer(name: str, namespace: str, spec: Any, **_: Any) -> None:
     cache = ((spec.get("offload") or {}).get("runtimeCache") or {}).get("enabled", False)
     key, now = (namespace, name), time.monotonic()
     if pass_due(
-        _last_passes.get(key), now, warming=bool(cache), lapsed=_expectations.lapsed(key, now)
+        _last_passes.get(key),
+        now,
+        first_tick=_first_ticks.setdefault(key, now),
+        running=_passes.running(key),
+        warming=bool(cache),
+        lapsed=_expectations.lapsed(key, now),
     ):
         sync(name, namespace)
 
@@ -479,6 +514,7 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
         raise kopf.TemporaryError("waiting for the engines to drain", delay=2)
     _passes.forget((namespace, name))
     _last_passes.pop((namespace, name), None)
+    _first_ticks.pop((namespace, name), None)
     _expectations.forget((namespace, name))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,35 +101,23 @@ def test_a_gpu_quota_with_room_for_one_engine_is_reported_and_recovers(
     eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
 
 
-def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
-    api_client, operator: Path, namespace: str
-) -> None:
+@contextmanager
+def admission_policy(
+    api_client, namespace: str, rule: dict, expression: str, message: str
+) -> Iterator[None]:
+    """A ValidatingAdmissionPolicy that denies what ``rule`` matches in ``namespace`` unless
+    ``expression`` holds, in force for the ``with`` block."""
     admission = client.AdmissionregistrationV1Api(api_client)
-    policy_name = f"no-workers-{uuid.uuid4().hex[:6]}"
+    name = f"policy-{uuid.uuid4().hex[:6]}"
     admission.create_validating_admission_policy(
         {
             "apiVersion": "admissionregistration.k8s.io/v1",
             "kind": "ValidatingAdmissionPolicy",
-            "metadata": {"name": policy_name},
+            "metadata": {"name": name},
             "spec": {
                 "failurePolicy": "Fail",
-                "matchConstraints": {
-                    "resourceRules": [
-                        {
-                            "apiGroups": [""],
-                            "apiVersions": ["v1"],
-                            "operations": ["CREATE"],
-                            "resources": ["pods"],
-                        }
-                    ]
-                },
-                "validations": [
-                    {
-                        "expression": "!has(object.metadata.labels) || "
-                        "!('dlo.dev/deployment' in object.metadata.labels)",
-                        "message": "worker Pods need an approved node pool here",
-                    }
-                ],
+                "matchConstraints": {"resourceRules": [rule]},
+                "validations": [{"expression": expression, "message": message}],
             },
         }
     )
@@ -136,9 +125,9 @@ def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
         {
             "apiVersion": "admissionregistration.k8s.io/v1",
             "kind": "ValidatingAdmissionPolicyBinding",
-            "metadata": {"name": policy_name},
+            "metadata": {"name": name},
             "spec": {
-                "policyName": policy_name,
+                "policyName": name,
                 "validationActions": ["Deny"],
                 "matchResources": {
                     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
@@ -148,6 +137,28 @@ def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
     )
     try:
         time.sleep(2)  # the API server loads new policies within a second
+        yield
+    finally:
+        admission.delete_validating_admission_policy_binding(name)
+        admission.delete_validating_admission_policy(name)
+
+
+def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
+    api_client, operator: Path, namespace: str
+) -> None:
+    pods = {
+        "apiGroups": [""],
+        "apiVersions": ["v1"],
+        "operations": ["CREATE"],
+        "resources": ["pods"],
+    }
+    with admission_policy(
+        api_client,
+        namespace,
+        pods,
+        "!has(object.metadata.labels) || !('dlo.dev/deployment' in object.metadata.labels)",
+        "worker Pods need an approved node pool here",
+    ):
         create(api_client, namespace, manifest("flux"))
         condition = eventually(
             lambda: refused(api_client, namespace, "flux", "need an approved node pool"),
@@ -158,11 +169,35 @@ def test_worker_pods_refused_by_an_admission_policy_are_reported_and_recover(
         assert worker_pods(api_client, namespace) == []
         assert events(api_client, namespace, "flux").count("FailedCreate") == 1
         assert_one_line_per_refusal(operator, "need an approved node pool")
-    finally:
-        admission.delete_validating_admission_policy_binding(policy_name)
-        admission.delete_validating_admission_policy(policy_name)
     eventually(lambda: worker_pods(api_client, namespace) == ["flux-e0-n0"], 90, "the Pod")
     eventually(lambda: cleared(api_client, namespace, "flux"), 60, "ReplicaFailure False")
+
+
+def test_a_deployment_whose_create_handler_never_runs_is_reconciled_by_the_timer(
+    api_client, operator: Path, namespace: str
+) -> None:
+    """kopf runs the create handler only after its own patch of the new resource (its
+    finalizer) went through; when that patch fails for good (here a policy refuses it,
+    as an API server that restarts under it did in CI) and no later event of the
+    resource comes, the handler never runs. The timer then runs the first pass itself.
+    The status subresource, which a pass writes, is not refused."""
+    resource = {
+        "apiGroups": [GROUP],
+        "apiVersions": ["*"],
+        "operations": ["UPDATE"],
+        "resources": [PLURAL],
+    }
+    with admission_policy(
+        api_client, namespace, resource, "false", "changes to deployments are frozen here"
+    ):
+        create(api_client, namespace, manifest("flux"))
+        eventually(lambda: worker_pods(api_client, namespace) == ["flux-e0-n0"], 60, "the Pod")
+        status = eventually(lambda: _status(api_client, namespace, "flux") or None, 30, "a status")
+        assert status["observedGeneration"] == 1
+        body = client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, "flux"
+        )
+        assert not body["metadata"].get("finalizers")  # kopf's own patch never went through
 
 
 def _private_control_plane(directory: Path, **options: str) -> Iterator[ClusterState]:

@@ -8,6 +8,8 @@ the call took effect.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -71,10 +73,44 @@ def test_a_pod_deletion_without_an_answer_lapses_and_then_a_pass_is_due(
     now = handlers.time.monotonic()
     assert handlers._expectations.overlay(KEY, [live], now)[0].terminating
     steady = handlers._LastPass(at=now, refused=False)
+    timer = {"first_tick": now, "running": False, "warming": False}
     assert not handlers.pass_due(
-        steady, now + 1, warming=False, lapsed=handlers._expectations.lapsed(KEY, now + 1)
+        steady, now + 1, **timer, lapsed=handlers._expectations.lapsed(KEY, now + 1)
     )
     later = now + EXPECTATION_TIMEOUT_S
     assert handlers.pass_due(
-        steady, later, warming=False, lapsed=handlers._expectations.lapsed(KEY, later)
+        steady, later, **timer, lapsed=handlers._expectations.lapsed(KEY, later)
     )
+
+
+def test_a_call_the_api_server_never_answers_ends_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that accepts the connection and never answers (one that restarted
+    mid-request, a dropped connection behind a load balancer): without a request timeout
+    the pass would wait forever and hold every later pass over the deployment."""
+    monkeypatch.setattr(handlers, "REQUEST_TIMEOUT_S", (1.0, 1.0))
+    outcome: list[BaseException | None] = []
+
+    def one_pass() -> None:
+        try:
+            handlers.sync(OWNER.name, OWNER.namespace)
+            outcome.append(None)
+        except BaseException as error:  # handed to the test's thread
+            outcome.append(error)
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers
+        configuration = client.Configuration(host=f"https://127.0.0.1:{silent.getsockname()[1]}")
+        configuration.retries = 0
+        monkeypatch.setattr(handlers, "_api", handlers.TimedApiClient(configuration))
+        worker = threading.Thread(target=one_pass, daemon=True)
+        worker.start()
+        worker.join(timeout=15)
+    try:
+        assert not worker.is_alive(), "the pass still waits for an answer"
+        assert isinstance(outcome[0], HTTPError), outcome
+        # The timer's next tick retries it.
+        assert handlers._last_passes[KEY].refused
+        assert not handlers._passes.running(KEY)
+    finally:
+        handlers._last_passes.pop(KEY, None)
