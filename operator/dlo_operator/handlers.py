@@ -316,11 +316,12 @@ def _apply(
     server refused (each logged once), and whether Pod creation was held back because a
     Service could not be applied (a Pod must not start without its rendezvous and client
     Services). An error other than a refusal (no answer) ends the pass: it is retried."""
-    failures = [
+    children = [
         *(_apply_child(namespace, item) for item in actions.apply_children),
         *(_delete_child(namespace, kind, name) for kind, name in actions.delete_children),
     ]
-    hold_pods = any(failure and failure.kind == "Service" for failure in failures)
+    failures = [failure for failure in children if failure is not None]
+    hold_pods = any(failure.kind == "Service" for failure in failures)
     key = (namespace, deployment)
     outcomes = [
         (pod["metadata"]["name"], _create_pod(key, pod))
@@ -333,8 +334,7 @@ def _apply(
             failures.append(outcome)
         elif outcome:
             changed.add(name)
-    refused = [failure for failure in failures if failure is not None]
-    return changed, refused, hold_pods and bool(actions.create_pods)
+    return changed, failures, hold_pods and bool(actions.create_pods)
 
 
 _passes = Coalescer()

@@ -233,18 +233,26 @@ def restart(state: ClusterState, name: str, *, down_s: float = 0.0) -> None:
     state.components[index] = _spawn(name, component.command, Path(component.log), directory)
     state.save()
     if name == "kube-apiserver":
-        pki = pki_module.Pki(directory / "pki")
-        context = ssl.create_default_context(cafile=str(pki.ca_cert))
-        context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
-        _wait(
-            lambda: (
-                urllib.request.urlopen(f"{state.server}/readyz", context=context, timeout=5).status
-                == 200
-            ),
-            180,
-            "kube-apiserver",
-            Path(component.log),
-        )
+        _wait_api_server_ready(state.server, pki_module.Pki(directory / "pki"), Path(component.log))
+
+
+def admin_context(pki: pki_module.Pki) -> ssl.SSLContext:
+    """TLS as the cluster's admin: trusts the cluster CA, presents the admin certificate."""
+    context = ssl.create_default_context(cafile=str(pki.ca_cert))
+    context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
+    return context
+
+
+def _wait_api_server_ready(server: str, pki: pki_module.Pki, log: Path) -> None:
+    context = admin_context(pki)
+    _wait(
+        lambda: (
+            urllib.request.urlopen(f"{server}/readyz", context=context, timeout=5).status == 200
+        ),
+        180,
+        "kube-apiserver",
+        log,
+    )
 
 
 def up(
@@ -374,16 +382,7 @@ def _start_components(
             "InternalIP,Hostname",
         ],
     )
-    context = ssl.create_default_context(cafile=str(pki.ca_cert))
-    context.load_cert_chain(str(pki.admin_cert), str(pki.admin_key))
-    _wait(
-        lambda: (
-            urllib.request.urlopen(f"{server}/readyz", context=context, timeout=5).status == 200
-        ),
-        180,
-        "kube-apiserver",
-        log,
-    )
+    _wait_api_server_ready(server, pki, log)
 
     kubeconfig = directory / "kubeconfig"
     kubeconfig.write_text(json.dumps(kubeconfig_document(server, pki), indent=2))

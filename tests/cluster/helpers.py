@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import ssl
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ import yaml
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import ClusterState
+from tests.cluster.control_plane import ClusterState, admin_context
+from tests.cluster.pki import Pki
 from tests.support.ports import free_port
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
@@ -167,9 +167,7 @@ _REQUEST_SAMPLE = re.compile(r"^apiserver_request_total\{(?P<labels>[^}]*)\} (?P
 def request_totals(state: ClusterState) -> dict[tuple[str, str], float]:
     """The API server's ``apiserver_request_total`` summed by (verb, resource), read with
     the admin certificate of the local control plane ``state``."""
-    pki = Path(state.directory) / "pki"
-    context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-    context.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    context = admin_context(Pki(Path(state.directory) / "pki"))
     text = urllib.request.urlopen(f"{state.server}/metrics", context=context).read().decode()
     totals: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
