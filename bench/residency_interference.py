@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -144,6 +145,20 @@ class CopiesAsDLOIssuesThem:
             self._load(0, 1 - self._last_used)
 
 
+@contextmanager
+def copies_replaced_by(replacement: Callable[..., None]) -> Iterator[None]:
+    """DLO's host-to-device copies done by ``replacement`` (a diagnostic of this
+    benchmark only: the variants below time DLO with its copies changed)."""
+    from dlo_worker.offload.slots import SlotPair
+
+    original = SlotPair._copy_host_to_device
+    SlotPair._copy_host_to_device = replacement
+    try:
+        yield
+    finally:
+        SlotPair._copy_host_to_device = original
+
+
 def dlo_rows(device: torch.device, inputs: dict, budget: float, repeats: int) -> dict:
     """DLO at ``budget``, then without its copies; which blocks it streamed."""
     from dlo_worker.offload import enable_dlo
@@ -162,12 +177,8 @@ def dlo_rows(device: torch.device, inputs: dict, budget: float, repeats: int) ->
     row = {"budget_gib": budget, "streamed_blocks": streamed, "streamed_bytes": streamed_bytes}
     row["dlo_s"] = step_seconds(model, inputs, repeats)
     row["dlo_back_to_back_s"] = back_to_back_step_seconds(model, inputs, repeats)
-    copy = SlotPair._copy_host_to_device
-    SlotPair._copy_host_to_device = lambda self, copies, targets: None
-    try:
+    with copies_replaced_by(lambda self, copies, targets: None):
         row["dlo_no_bytes_s"] = step_seconds(model, inputs, repeats)
-    finally:
-        SlotPair._copy_host_to_device = copy
     # The same copies, landing in a scratch buffer the blocks never read (the slots keep
     # stale weights): DLO's transfers without compute reading what they wrote.
     largest = max(layout.nbytes for layout in backend.block_layouts())
@@ -180,11 +191,8 @@ def dlo_rows(device: torch.device, inputs: dict, budget: float, repeats: int) ->
             target.copy_(source.view(torch.uint8), non_blocking=True)
             offset += source.nbytes
 
-    SlotPair._copy_host_to_device = elsewhere
-    try:
+    with copies_replaced_by(elsewhere):
         row["dlo_bytes_elsewhere_s"] = step_seconds(model, inputs, repeats)
-    finally:
-        SlotPair._copy_host_to_device = copy
     stats = backend.stats()
     row["blocks_loaded"], row["on_demand_loads"] = stats.blocks_loaded, stats.on_demand_loads
     backend.disable()
