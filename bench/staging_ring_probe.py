@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from dlo_worker.offload.host import HostArena
+
 MIB = 2**20
 
 
@@ -66,21 +68,18 @@ def busy_launcher(enabled: bool):
         thread.join()
 
 
-PINNING = {"alloc": "cudaHostAlloc (torch pin_memory)", "register": "malloc + cudaHostRegister"}
-_registered: list[torch.Tensor] = []
+PINNING = {"alloc": "cudaHostAlloc (torch pin_memory)", "register": "DLO's host arena"}
+_arenas: list[HostArena] = []
 
 
 def pinned_buffer(nbytes: int, how: str) -> torch.Tensor:
     """Page-locked bytes allocated by the driver (``alloc``), or ordinary memory registered
-    afterwards (``register``, as DLO's host arena does)."""
+    afterwards (``register``: DLO's own host arena)."""
     if how == "alloc":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    tensor = torch.empty(nbytes, dtype=torch.uint8)
-    status = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(status) != 0:
-        raise RuntimeError(f"cudaHostRegister failed: {int(status)}")
-    _registered.append(tensor)
-    return tensor
+    arena = HostArena({torch.uint8: nbytes}, page_lock=True)
+    _arenas.append(arena)
+    return arena.take(torch.uint8, nbytes)
 
 
 def write_file(path: Path, nbytes: int) -> None:
@@ -338,8 +337,9 @@ def main() -> None:
                         )
                     record(f"ring {kind} {chunk}MiB x{ring} {threads}t{suffix}", rate)
         os.close(fd)
-        for tensor in _registered:
-            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        torch.cuda.synchronize()
+        for arena in _arenas:
+            arena.close()
         del source
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
