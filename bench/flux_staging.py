@@ -20,7 +20,8 @@ Every DLO step is timed synchronized around each step and back to back (as
 ``bench/flux_dlo.py`` says); each is compared with the pinned path timed the same way.
 
 Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
-of the copies).
+of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` through the
+native chunk ring (``OffloadConfig.staging_ring``).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of ANCHORS.md (30-34 GB/s).
@@ -85,8 +86,11 @@ def checkpoint_backed(
     directory: Path,
     device: torch.device,
     pack_threads: int,
+    *,
     registration_bytes: int = 0,
     staging_buffers: int = 3,
+    staging_ring: bool = False,
+    ring_chunk_mib: int = 8,
 ):
     """The skeleton and backend the worker would build from this directory."""
     from diffusers import FluxTransformer2DModel
@@ -115,6 +119,8 @@ def checkpoint_backed(
             pack_threads=pack_threads,
             host_registration_budget_bytes=registration_bytes,
             staging_buffers=staging_buffers,
+            staging_ring=staging_ring,
+            staging_ring_chunk_bytes=ring_chunk_mib * 2**20,
         ),
         device,
         plan,
@@ -297,13 +303,27 @@ def registered_runs(directory: Path, device: torch.device, inputs: dict, args, r
 def staging_runs(
     directory: Path, device: torch.device, inputs: dict, args, report: dict, *, bound_s: float
 ) -> None:
-    """The checkpoint-mmap staging path for each ``--pack-threads``."""
-    for threads, depth in [(t, d) for t in args.pack_threads for d in args.staging_buffers]:
+    """The checkpoint-mmap staging path for each ``--pack-threads`` and ``--staging`` kind
+    (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``)."""
+    runs = [
+        (threads, kind, size)
+        for threads in args.pack_threads
+        for kind in args.staging
+        for size in (args.ring_chunk_mib if kind == "ring" else args.staging_buffers)
+    ]
+    for threads, kind, size in runs:
         started = time.perf_counter()
-        skeleton, backend = checkpoint_backed(directory, device, threads, staging_buffers=depth)
+        skeleton, backend = checkpoint_backed(
+            directory,
+            device,
+            threads,
+            staging_buffers=size if kind == "buffers" else 3,
+            staging_ring=kind == "ring",
+            ring_chunk_mib=size if kind == "ring" else 8,
+        )
         backend.enable(skeleton)
         setup_s = time.perf_counter() - started
-        run = f"{threads}t_{depth}b"
+        run = f"ring_{threads}t_{size}mib" if kind == "ring" else f"{threads}t_{size}b"
         for resolution in args.resolutions:
             release(device)
             row = report["results"][resolution]
@@ -364,6 +384,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pack-threads", type=int, nargs="+", default=[8])
     parser.add_argument("--staging-buffers", type=int, nargs="+", default=[3])
+    parser.add_argument(
+        "--staging",
+        nargs="+",
+        choices=["ring", "buffers"],
+        default=["ring", "buffers"],
+        help="Staging kinds: the native chunk ring, block-sized buffers.",
+    )
+    parser.add_argument("--ring-chunk-mib", type=int, nargs="+", default=[8])
+    parser.add_argument(
+        "--skip-registered", action="store_true", help="Skip the registered checkpoint runs."
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--skip-staging", action="store_true", help="Skip the checkpoint staging runs."
@@ -413,7 +444,8 @@ def main() -> None:
         gc.collect()
         release(device)
 
-        registered_runs(directory, device, inputs, args, report)
+        if not args.skip_registered:
+            registered_runs(directory, device, inputs, args, report)
         if args.cache_entry:
             cache_entry_runs(directory, device, inputs, args, report)
         report["pack_gbps_by_threads"] = (

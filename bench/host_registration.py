@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dlo_worker.offload.cuda_registrar import HOST_REGISTER_READ_ONLY, _loaded_cudart
+from dlo_worker.offload.cuda_registrar import HOST_REGISTER_READ_ONLY, loaded_cudart
 
 CHUNK = 256 * 2**20
 ATTRIBUTES = {
@@ -78,7 +78,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     nbytes = int(args.gib * 2**30) // mmap.PAGESIZE * mmap.PAGESIZE
-    cudart = _loaded_cudart()
+    cudart = loaded_cudart()
     cudart.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     cudart.cudaHostUnregister.argtypes = [ctypes.c_void_p]
     for name, attribute in ATTRIBUTES.items():

@@ -6,7 +6,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 WORKDIR /opt/diffusion-dlo
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY worker ./worker
 COPY operator ./operator
 # The pip cache mount keeps downloaded wheels between builds, outside the image.

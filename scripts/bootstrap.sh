@@ -1,5 +1,5 @@
 # Sourced by demo.sh and test.sh: make ./.venv with the given extras installed.
-# Idempotent: a stamp keyed by pyproject.toml and the extras skips pip when nothing changed.
+# Idempotent: a stamp keyed by the build files and the extras skips pip when nothing changed.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,7 +26,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON_BIN" -m venv "$VENV"
 fi
 
-stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
+# The C sources are part of the key: the editable install builds them in place.
+stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/worker/dlo_worker/offload/*.c | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
 if [ ! -f "$stamp" ]; then
   echo "==> installing diffusion-dlo[$EXTRAS] into $VENV (the first run downloads torch, a few GB)"
   "$VENV/bin/python" -m pip install --upgrade --quiet pip

@@ -8,7 +8,7 @@ buildah's storage. The Dockerfiles take it through their ``BASE_IMAGE`` build ar
 whose default stays the public image for users.
 
 Each image is then saved as an OCI archive under the cluster cache, keyed by a digest of
-everything that went into it (the Dockerfile, ``pyproject.toml``, the sources it copies,
+everything that went into it (the Dockerfile, the build files, the sources it copies,
 the base image's key), so an unchanged tree is a no-op and any change rebuilds. Archives
 are written to a temporary name and renamed into place under a lock, so a killed build
 never leaves a half-written image behind.
@@ -41,7 +41,7 @@ OCI runtime, and ``RUN`` steps need one)."""
 IMAGES = {"worker": "docker/worker.Dockerfile", "operator": "docker/operator.Dockerfile"}
 RUNTIME = ("--runtime", "runc")
 """buildah prefers crun when installed, and crun refuses this machine's hybrid cgroups."""
-COPIED_SOURCES = ("pyproject.toml", "README.md", "worker", "operator")
+COPIED_SOURCES = ("pyproject.toml", "setup.py", "README.md", "worker", "operator")
 """What the Dockerfiles copy from the repository (their build context's inputs)."""
 
 
@@ -80,8 +80,10 @@ def source_digest(root: Path = REPOSITORY) -> str:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         for file in files:
             relative = file.relative_to(root)
-            if "__pycache__" in relative.parts or any(
-                part.endswith(".egg-info") for part in relative.parts
+            if (
+                "__pycache__" in relative.parts
+                or any(part.endswith(".egg-info") for part in relative.parts)
+                or relative.suffix == ".so"  # built in place; .dockerignore leaves it out
             ):
                 continue
             digest.update(str(relative).encode() + b"\0" + file.read_bytes() + b"\0")

@@ -18,7 +18,12 @@ from dlo_worker.config import HostBacking
 from dlo_worker.offload import OffloadConfig
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
-from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
+from tests.support.checkpoints import (
+    run_staging_ring,
+    run_worker,
+    transformer_outputs,
+    worker_config,
+)
 from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
@@ -45,6 +50,24 @@ def test_rank_local_staging_on_cuda_is_bitwise_equal(variant, variants, resident
     assert stats.host_bytes == 0
     assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
     assert stats.on_demand_loads == 0  # the staging ring prefetches like the pinned one
+    assert stats.staging == "buffers"
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, OffloadConfig().staging_ring_chunk_bytes])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_native_staging_ring_on_cuda_is_bitwise_equal(
+    variant, chunk_bytes, variants, resident
+) -> None:
+    """The ring's threads wait for the slot's release, copy every chunk and record the
+    ready event on the copy stream; compute orders itself after that event."""
+    outputs, stats, smallest_block = run_staging_ring(
+        variants[variant], torch.device("cuda", 0), torch.bfloat16, chunk_bytes
+    )
+    assert all(torch.equal(a, b) for a, b in zip(outputs, resident, strict=True))
+    assert stats.staging == "ring"
+    assert stats.on_demand_loads == 0
+    assert stats.bytes_streamed >= stats.blocks_loaded * smallest_block > 0
+    assert stats.h2d_gbps > 0  # the ring's own timing events around each fill
 
 
 def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected: str) -> None:

@@ -25,11 +25,17 @@ from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.worker import Worker
 from tests.support import checkpoints
-from tests.support.checkpoints import run_worker, transformer_outputs, worker_config
+from tests.support.checkpoints import (
+    run_staging_ring,
+    run_worker,
+    transformer_outputs,
+    worker_config,
+)
 from tests.support.launch import join_world_as
 from tests.support.ports import free_port
 
 VARIANTS = ("single", "sharded", "fused")
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +79,21 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
     assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
     assert stats.pack_gbps > 0
     assert stats.host_registration == "off"
+    assert stats.staging == "buffers"
     if variant == "fused":
         assert "adapters: fused-qkv" in worker.backing.reason
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_native_staging_ring_is_bitwise_equal(variant, variants, resident) -> None:
+    """The loader's plan streamed through the chunk ring (its CPU mode: memcpy for the copy
+    engine), with 4 KiB chunks so every block is many chunks and pieces straddle them."""
+    outputs, stats, smallest_block = run_staging_ring(variants[variant], CPU, torch.float32, 4096)
+    assert_bitwise(outputs, resident)
+    assert stats.staging == "ring"
+    assert stats.host_bytes == 0
+    assert stats.bytes_streamed >= stats.blocks_loaded * smallest_block > 0
+    assert stats.pack_gbps > 0
 
 
 def test_a_registration_budget_on_the_cpu_stages_and_says_why(variants, resident) -> None:

@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from dlo_worker.config import WorkerConfig, build_config
 from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
+from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
+from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, OffloadStats
 from dlo_worker.worker import Worker
 
 FORWARDS = 3
@@ -140,3 +142,31 @@ def run_worker(config: WorkerConfig) -> tuple[list[torch.Tensor], Worker]:
         outputs = transformer_outputs(worker.pipeline.transformer)
         worker.stats = worker.backend.stats() if worker.backend else None
     return outputs, worker
+
+
+def run_staging_ring(
+    path: Path, device: torch.device, dtype: torch.dtype, chunk_bytes: int
+) -> tuple[list[torch.Tensor], OffloadStats, int]:
+    """The transformer's outputs with the loader's checkpoint plan streamed through the
+    native staging ring; the backend's stats, and its smallest block's bytes."""
+    config = worker_config(path, dlo=True, device=str(device))
+    loader = DiffusersPipelineLoader(config, dtype=dtype, device=device)
+    pipeline = loader.load()
+    backend = DistributedLayerwiseOffloadBackend(
+        OffloadConfig(
+            use_allgather=False,
+            staging_ring=True,
+            staging_ring_chunk_bytes=chunk_bytes,
+            pack_threads=3,
+        ),
+        device,
+        loader.take_host_weight_plan(),
+    )
+    backend.enable(pipeline)
+    try:
+        outputs = transformer_outputs(pipeline.transformer)
+        stats = backend.stats()
+        smallest_block = min(layout.nbytes for layout in backend.block_layouts())
+    finally:
+        backend.disable()
+    return outputs, stats, smallest_block

@@ -27,7 +27,9 @@ composition"):
   the driver and each load copies them directly (:mod:`~dlo_worker.offload.direct_source`);
   otherwise, or if registration is refused (budget, platform, a deferred adapter, a
   failed call: all or nothing, the reason is logged and reported in ``stats``), they
-  are packed through two bounded pinned staging buffers per load.
+  are packed through bounded pinned staging: block-sized buffers
+  (:mod:`~dlo_worker.offload.staging`) or, with ``staging_ring``, a cache-sized ring of
+  chunks fed by native threads (:mod:`~dlo_worker.offload.ring_staging`).
 
 With a plan the DiT was never materialized, so failing to consume the plan is a
 hard error (:class:`HostWeightPlanError`), never a fallback.
@@ -64,6 +66,7 @@ from dlo_worker.offload.layout import (
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
 from dlo_worker.offload.registration import RegisteredRanges, RegistrationRefusedError
 from dlo_worker.offload.residency import resident_within_budget, spread_evenly
+from dlo_worker.offload.ring_staging import StagingRing
 from dlo_worker.offload.schedule import Schedule
 from dlo_worker.offload.slots import SlotPair, TransferCounters
 from dlo_worker.offload.staging import HostStaging, Packer, wait_all
@@ -137,6 +140,9 @@ class OffloadStats:
     """Private host bytes holding streamed weights on this rank (page-locked on CUDA)."""
     staging_bytes: int
     """The two pinned staging buffers of checkpoint-backed rank-local streaming."""
+    staging: str
+    """Unregistered mapped blocks: ``ring`` (the native chunk ring) or ``buffers``
+    (block-sized buffers); ``none`` without staging."""
     host_registration: str
     """Mapped blocks: ``registered`` (direct copies), ``off`` (no budget), or why staging
     is used (``budget``, ``unsupported``, ``cpu``, ``adapter``, ``not-mapped``, ``failed``,
@@ -185,7 +191,8 @@ class DistributedLayerwiseOffloadBackend:
         self._blocks: list[StreamedBlock] = []
         self._resident_blocks = 0
         self._arena: HostArena | None = None
-        self._staging: HostStaging | None = None
+        self._staging: HostStaging | StagingRing | None = None
+        self._staging_kind = "none"
         self._registered: RegisteredRanges | None = None
         self._registration = "none"
         self._packer: Packer | None = None
@@ -228,6 +235,7 @@ class DistributedLayerwiseOffloadBackend:
         self._check_not_taken(plan)
         self._counters = TransferCounters()
         self._registration = "none"
+        self._staging_kind = "none"
         try:
             self._enable(model_or_pipeline, plan)
         except BaseException:
@@ -246,6 +254,7 @@ class DistributedLayerwiseOffloadBackend:
                     "host_gib": round(self._arena.nbytes / 2**30, 3),
                     "staging_gib": round(self._staging.nbytes / 2**30, 3) if self._staging else 0,
                     "host_registration": self._registration,
+                    "staging": self._staging_kind,
                     "pack_threads": self._packer.threads,
                     "slot_gib": round(self._slots.device_bytes / 2**30, 3),
                     "setup_s": round(time.perf_counter() - started, 3),
@@ -326,15 +335,6 @@ class DistributedLayerwiseOffloadBackend:
         mapped = [block for block in self._blocks if block.mapped]
         if mapped:
             self._registered = self._register(mapped)
-        if mapped and self._registered is None:
-            staged = slot_capacity([b.layout for b in mapped], 1)
-            self._staging = HostStaging(
-                staged,
-                self._packer,
-                self._counters,
-                page_lock=self.device.type == "cuda",
-                depth=self.config.staging_buffers,
-            )
         self._slots = SlotPair(
             self.device,
             capacity,
@@ -343,6 +343,8 @@ class DistributedLayerwiseOffloadBackend:
             counters=self._counters,
             shard_buffers=shard_buffers,
         )
+        if mapped and self._registered is None:
+            self._staging = self._stage(mapped)
         mapped_source = DIRECT if self._registered is not None else self._staging
         for block in self._blocks:
             block.source = mapped_source if block.mapped else ARENA
@@ -361,6 +363,28 @@ class DistributedLayerwiseOffloadBackend:
             self._slots.load(first.successor, 0, upcoming=first.following)
             self._slots.last_used = 1
         self._plan = plan
+
+    def _stage(self, mapped: list[StreamedBlock]) -> HostStaging | StagingRing:
+        """The bounded staging of unregistered mapped blocks: the native chunk ring when
+        ``config.staging_ring`` asks for it, else the ring of block-sized buffers."""
+        on_cuda = self.device.type == "cuda"
+        if self.config.staging_ring:
+            self._staging_kind = "ring"
+            return StagingRing(
+                self.device,
+                self._slots.copy_stream if on_cuda else None,
+                self._counters,
+                lanes=self.config.pack_threads,
+                chunk_bytes=self.config.staging_ring_chunk_bytes,
+            )
+        self._staging_kind = "buffers"
+        return HostStaging(
+            slot_capacity([block.layout for block in mapped], 1),
+            self._packer,
+            self._counters,
+            page_lock=on_cuda,
+            depth=self.config.staging_buffers,
+        )
 
     def _register(self, blocks: list[StreamedBlock]) -> RegisteredRanges | None:
         """Register the mapped views of ``blocks`` for direct copies, or None (staging),
@@ -660,12 +684,13 @@ class DistributedLayerwiseOffloadBackend:
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
+        if self._staging is not None:
+            # Before the slots go: a chunk ring still enqueues the fills it was handed.
+            self._staging.close()
+            self._staging = None
         if self._slots is not None:
             self._slots.free()
             self._slots = None
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
         if self._registered is not None:
             # Unregistered before the mappings close (below), after the copies finished.
             self._registered.release()
@@ -721,15 +746,24 @@ class DistributedLayerwiseOffloadBackend:
             host_bytes=self._arena.nbytes if self._arena else 0,
             staging_bytes=self._staging.nbytes if self._staging else 0,
             host_registration=self._registration,
+            staging=self._staging_kind,
             registered_bytes=self._registered.nbytes if self._registered else 0,
-            pack_gbps=counters.pack_bytes / counters.pack_seconds / 1e9
-            if counters.pack_seconds
-            else 0.0,
+            pack_gbps=self._pack_gbps(),
             pack_wait_seconds=counters.pack_wait_seconds,
             host_page_locked=bool(self._arena and self._arena.page_locked),
             device_slot_bytes=self._slots.device_bytes if self._slots else 0,
             largest_block_bytes=max((b.layout.nbytes for b in self._blocks), default=0),
         )
+
+    def _pack_gbps(self) -> float:
+        """Bytes packed per second of packing: wall time of the buffers' packs, or the
+        ring's packers' busy time divided among them."""
+        if isinstance(self._staging, StagingRing):
+            ring = self._staging.counters()
+            busy = ring.pack_seconds / self._staging.lanes
+            return ring.packed_bytes / busy / 1e9 if busy else 0.0
+        counters = self._counters
+        return counters.pack_bytes / counters.pack_seconds / 1e9 if counters.pack_seconds else 0.0
 
     def block_layouts(self) -> list[BlockLayout]:
         return [block.layout for block in self._blocks]

@@ -12,7 +12,7 @@ hooks and ``state_dict`` keys keep working; only ``param.data`` is repointed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -105,6 +105,30 @@ class HostSource(Protocol):
         ...
 
 
+@runtime_checkable
+class FillingSource(Protocol):
+    """A host source that issues its own copies into the slot, from threads of its own
+    (``ring_staging.StagingRing``): the slot hands it the load and waits for it before
+    compute orders itself after the slot's ready event."""
+
+    def fill(
+        self,
+        block: StreamedBlock,
+        slot_index: int,
+        buffers: dict[torch.dtype, torch.Tensor],
+        after: torch.cuda.Event | None,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """Queue filling ``buffers`` with ``block`` (returns at once); on CUDA the copies
+        wait for ``after`` and ``ready`` is recorded after them."""
+        ...
+
+    def wait_filled(self, slot_index: int) -> None:
+        """Return once the last fill of ``slot_index`` is enqueued (``ready`` recorded;
+        without CUDA, copied)."""
+        ...
+
+
 @dataclass(eq=False)
 class StreamedBlock:
     """A block that lives on the host and visits a device slot when it runs."""
@@ -118,7 +142,7 @@ class StreamedBlock:
     """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
     mapped: dict[torch.dtype, list[MappedPiece]] = field(default_factory=dict)
     """Checkpoint-backed rank-local blocks: mapped views to pack through staging, per dtype."""
-    source: HostSource | None = None
+    source: HostSource | FillingSource | None = None
     """What hands the slot this block's host bytes (set by the backend once filled)."""
     slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
         default_factory=lambda: ([], [])

@@ -48,6 +48,14 @@ class OffloadConfig:
     """Page-locked staging buffers for checkpoint-backed blocks that are not registered
     (each the largest such block): packs run up to this many blocks ahead of the copies,
     so a pack that runs slow for one block does not leave the copy engine idle."""
+    staging_ring: bool = False
+    """Stage unregistered mapped blocks through the native cache-sized chunk ring
+    (:mod:`dlo_worker.offload.ring_staging`; an error where it was not built) instead of
+    block-sized staging buffers. Off by default until measured on a GPU host."""
+    staging_ring_chunk_bytes: int = 8 * 2**20
+    """Bytes per chunk of the staging ring (two chunks per pack thread): small enough
+    that the ring stays in the CPU's last-level cache, large enough that a copy's fixed
+    cost is under 1% of it."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
     host_registration_budget_bytes: int = 0
@@ -70,6 +78,11 @@ class OffloadConfig:
             )
         if self.staging_buffers < 2:
             raise ValueError(f"staging_buffers must be >= 2, got {self.staging_buffers}")
+        if self.staging_ring_chunk_bytes < 4096 or self.staging_ring_chunk_bytes % 4096:
+            raise ValueError(
+                "staging_ring_chunk_bytes must be a positive multiple of 4096, got "
+                f"{self.staging_ring_chunk_bytes}"
+            )
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
         resident = self.resident_layers or self.gpu_memory_budget_bytes is not None

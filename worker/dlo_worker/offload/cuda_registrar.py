@@ -41,7 +41,7 @@ class _PointerAttributes(ctypes.Structure):
     )
 
 
-def _loaded_cudart() -> ctypes.CDLL:
+def loaded_cudart() -> ctypes.CDLL:
     """The CUDA runtime library this process already uses (torch loaded it), so the error
     state cleared here is torch's own."""
     torch.cuda.init()
@@ -62,7 +62,7 @@ class CudaHostRegistrar:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._cudart = _loaded_cudart()
+        self._cudart = loaded_cudart()
         self._cudart.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         self._cudart.cudaHostUnregister.argtypes = [ctypes.c_void_p]
         self._cudart.cudaGetErrorString.restype = ctypes.c_char_p

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dlo_worker.offload.block import HostCopy, StreamedBlock, whole_buffers
+from dlo_worker.offload.block import FillingSource, HostCopy, StreamedBlock, whole_buffers
 
 
 @dataclass
@@ -134,6 +134,10 @@ class SlotPair:
             for slot in self.slots:
                 slot.ready = torch.cuda.Event()
                 slot.released = torch.cuda.Event()
+                # Created now (a record of nothing pending), so a filling source's own
+                # threads can record and wait on them from the first load.
+                slot.ready.record(self.copy_stream)
+                slot.released.record(torch.cuda.current_stream(device))
             for buffer in self.shard_ring:
                 buffer.staged = torch.cuda.Event()
                 buffer.consumed = torch.cuda.Event()
@@ -177,6 +181,13 @@ class SlotPair:
     def _load_synchronously(
         self, block: StreamedBlock, slot_index: int, upcoming: tuple[StreamedBlock, ...]
     ) -> None:
+        if isinstance(block.source, FillingSource):
+            started = time.perf_counter()
+            block.source.fill(block, slot_index, self.slots[slot_index].buffers, None, None)
+            block.source.wait_filled(slot_index)
+            self.counters.h2d_seconds += time.perf_counter() - started
+            self.counters.h2d_bytes += block.layout.nbytes
+            return
         copies = block.source.copies(block, slot_index)
         started = time.perf_counter()
         self._copy_host_to_device(copies, self.slots[slot_index].buffers)
@@ -187,6 +198,11 @@ class SlotPair:
         self, block: StreamedBlock, slot_index: int, upcoming: tuple[StreamedBlock, ...]
     ) -> None:
         slot = self.slots[slot_index]
+        if isinstance(block.source, FillingSource):
+            # Its threads wait for the release, copy and record ``ready`` on the copy stream.
+            block.source.fill(block, slot_index, slot.buffers, slot.released, slot.ready)
+            self.counters.h2d_bytes += block.layout.nbytes
+            return
         # A staged block is packed first (a host wait), so the timed copy excludes packing.
         copies = block.source.copies(block, slot_index)
         # The copy lands in the slot itself: wait until compute released it.
@@ -276,6 +292,11 @@ class SlotPair:
         """Order the current (compute) stream after the slot's load; time the stall."""
         if not self.on_cuda:
             return
+        block = self.slots[slot_index].block
+        if isinstance(block.source, FillingSource):
+            # ``ready`` must be recorded before compute waits for it (else the wait would
+            # see its previous record).
+            block.source.wait_filled(slot_index)
         stall_started = torch.cuda.Event(enable_timing=True)
         stall_finished = torch.cuda.Event(enable_timing=True)
         compute = torch.cuda.current_stream(self.device)

@@ -1,0 +1,125 @@
+"""The native staging ring (``_staging_ring.c`` through ``ring_staging.StagingRing``) run
+on the CPU, where the same packers and feeder copy chunks with memcpy: every fill holds
+the block's exact packed bytes (gaps zeroed) whatever the chunk size, pieces split across
+chunks and chunks spanning pieces, over more fills than the ring has chunks or its job
+queue has entries; close lands fills nobody waited for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dlo_worker.offload import OffloadConfig, ring_staging
+from dlo_worker.offload.block import MappedPiece, StreamedBlock
+from dlo_worker.offload.layout import layout_of, slot_capacity
+from dlo_worker.offload.ring_staging import StagingRing, StagingRingUnavailableError
+from dlo_worker.offload.slots import TransferCounters
+
+CPU = torch.device("cpu")
+
+
+def make_block(index: int) -> StreamedBlock:
+    """Two dtypes; float32 pieces of odd sizes (a 4 KiB chunk splits the large ones and
+    spans several small ones), with the layout's alignment gaps between them."""
+    generator = torch.Generator().manual_seed(index)
+    named = [
+        ("proj.weight", torch.randn(37, 29 + index, generator=generator)),
+        ("proj.bias", torch.randn(3, generator=generator)),
+        ("norm.weight", torch.randn(1500, generator=generator)),
+        ("out.weight", torch.randn(5, 7, generator=generator).to(torch.bfloat16)),
+    ]
+    layout = layout_of(named)
+    mapped: dict[torch.dtype, list[MappedPiece]] = {}
+    for dtype, dtype_layout in layout.by_dtype.items():
+        tensors = [tensor for _, tensor in named if tensor.dtype == dtype]
+        mapped[dtype] = [
+            MappedPiece(span.offset, span.numel, tensor.reshape(-1))
+            for span, tensor in zip(dtype_layout.spans, tensors, strict=True)
+        ]
+    return StreamedBlock(
+        name=f"blocks.{index}", module=nn.Identity(), layout=layout, parameters=[], mapped=mapped
+    )
+
+
+def packed(block: StreamedBlock, dtype: torch.dtype) -> torch.Tensor:
+    expected = torch.zeros(block.layout.by_dtype[dtype].numel, dtype=dtype)
+    for offset, numel, source in block.mapped[dtype]:
+        expected[offset : offset + numel] = source
+    return expected
+
+
+def slot_buffers(blocks: list[StreamedBlock]) -> list[dict[torch.dtype, torch.Tensor]]:
+    """Two host "slots", filled with a pattern the gaps must not keep."""
+    capacity = slot_capacity([block.layout for block in blocks], 1)
+    return [
+        {dtype: torch.full((numel,), 7.0, dtype=dtype) for dtype, numel in capacity.items()}
+        for _ in range(2)
+    ]
+
+
+def assert_holds(buffers: dict[torch.dtype, torch.Tensor], block: StreamedBlock) -> None:
+    for dtype, dtype_layout in block.layout.by_dtype.items():
+        assert torch.equal(buffers[dtype][: dtype_layout.numel], packed(block, dtype))
+
+
+@pytest.fixture
+def ring():
+    ring = StagingRing(CPU, None, TransferCounters(), lanes=3, chunk_bytes=4096)
+    yield ring
+    ring.close()
+
+
+def test_every_fill_holds_the_packed_block(ring: StagingRing) -> None:
+    blocks = [make_block(index) for index in range(4)]
+    slots = slot_buffers(blocks)
+    for index, block in enumerate(blocks):
+        ring.fill(block, index % 2, slots[index % 2], None, None)
+        ring.wait_filled(index % 2)
+        assert_holds(slots[index % 2], block)
+    counters = ring.counters()
+    assert counters.packed_bytes == sum(block.layout.nbytes for block in blocks)
+    assert counters.chunks == sum(
+        -(-layout.numel * dtype.itemsize // 4096)
+        for block in blocks
+        for dtype, layout in block.layout.by_dtype.items()
+    )
+
+
+def test_more_fills_than_chunks_and_queue_entries_stay_in_order(ring: StagingRing) -> None:
+    """300 blocks x 2 dtypes queued before any wait: 600 jobs through a queue of 256 and a
+    ring of 6 chunks; each block lands in its own destination."""
+    blocks = [make_block(index % 5) for index in range(300)]
+    destinations = [slot_buffers(blocks)[0] for _ in blocks]
+    for index, (block, buffers) in enumerate(zip(blocks, destinations, strict=True)):
+        ring.fill(block, index, buffers, None, None)
+    for index in range(len(blocks)):
+        ring.wait_filled(index)
+    for block, buffers in zip(blocks, destinations, strict=True):
+        assert_holds(buffers, block)
+
+
+def test_close_lands_fills_nobody_waited_for() -> None:
+    ring = StagingRing(CPU, None, TransferCounters(), lanes=2, chunk_bytes=4096)
+    blocks = [make_block(index) for index in range(2)]
+    slots = slot_buffers(blocks)
+    for index, block in enumerate(blocks):
+        ring.fill(block, index, slots[index], None, None)
+    ring.close()
+    ring.close()  # idempotent
+    for index, block in enumerate(blocks):
+        assert_holds(slots[index], block)
+
+
+def test_a_ring_that_was_not_built_is_a_clear_error(monkeypatch) -> None:
+    """Installing without a C compiler skips the optional extension (simulated by a module
+    name nothing provides)."""
+    monkeypatch.setattr(ring_staging, "_LIBRARY_MODULE", "dlo_worker.offload._not_built")
+    with pytest.raises(StagingRingUnavailableError, match="C compiler"):
+        StagingRing(CPU, None, TransferCounters(), lanes=1, chunk_bytes=4096)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 4095, 3 * 2**20 + 1])
+def test_a_chunk_size_that_is_not_whole_pages_is_refused(chunk_bytes: int) -> None:
+    with pytest.raises(ValueError, match="staging_ring_chunk_bytes must be a positive multiple"):
+        OffloadConfig(staging_ring_chunk_bytes=chunk_bytes)

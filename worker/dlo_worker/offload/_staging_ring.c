@@ -1,0 +1,396 @@
+/*
+ * The native side of dlo_worker.offload.ring_staging: pack mapped checkpoint views
+ * through a ring of page-locked chunks small enough to stay in the CPU's cache, and
+ * copy each chunk to the device as soon as it is packed.
+ *
+ * Why native: the copy of one 8-16 MiB chunk takes a fraction of a millisecond; a
+ * Python thread that orders those copies competes for the interpreter with the thread
+ * that launches the model's kernels and was measured spending as long per chunk as the
+ * copy itself. Here no thread touches the interpreter.
+ *
+ * Threads: `lanes` packers and one feeder. Chunks are numbered globally across jobs;
+ * chunk g uses ring slot g % ring and is packed by lane g % lanes. A lane packs chunk
+ * g once chunk g - ring was copied out of that ring slot (it waits for the slot's event).
+ * The feeder alone talks to the copy stream, in chunk order: before a job's first chunk
+ * it makes the stream wait for the job's `wait_event` (the slot's release), after each
+ * chunk it records the ring slot's event, after a job's last chunk it records the job's
+ * `ready_event`. Python waits for a job to be *enqueued* (not copied) before it orders
+ * compute after `ready_event`.
+ *
+ * Without a CUDA API (every function pointer NULL) the feeder copies chunks with memcpy
+ * into host memory, so CI runs the same ring and packing logic on the CPU.
+ *
+ * No Python API is used: the library is loaded with ctypes, whose calls release the GIL.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_JOBS 256
+#define CUDA_MEMCPY_HOST_TO_DEVICE 1
+#define CUDA_EVENT_DISABLE_TIMING 2
+
+typedef struct {
+    int (*set_device)(int device);
+    int (*memcpy_async)(void *dst, const void *src, size_t count, int kind, void *stream);
+    int (*event_create_with_flags)(void **event, unsigned int flags);
+    int (*event_destroy)(void *event);
+    int (*event_record)(void *event, void *stream);
+    int (*event_synchronize)(void *event);
+    int (*stream_wait_event)(void *stream, void *event, unsigned int flags);
+} dlo_cuda_api;
+
+typedef struct {
+    uint64_t source;     /* host address of the mapped bytes */
+    uint64_t offset;     /* byte offset in the destination */
+    uint64_t nbytes;
+} dlo_piece;
+
+typedef struct {
+    const dlo_piece *pieces;  /* sorted by offset, not overlapping; owned by the caller */
+    uint64_t npieces;
+    char *destination;
+    uint64_t nbytes;
+    void *wait_event;
+    void *start_event;
+    void *ready_event;
+    void *end_event;
+    uint64_t first_chunk;
+    uint64_t nchunks;
+} dlo_job;
+
+typedef struct {
+    uint64_t packed_bytes;
+    uint64_t pack_ns;        /* summed over lanes: time spent packing */
+    uint64_t lane_wait_ns;   /* summed over lanes: waiting for a free ring slot or work */
+    uint64_t feeder_wait_ns; /* the feeder waiting for the next chunk's pack */
+    uint64_t chunks;
+} dlo_ring_stats;
+
+typedef struct {
+    dlo_cuda_api api;
+    int cuda;
+    int device;
+    void *stream;
+    char *ring;
+    uint64_t chunk_bytes;
+    uint64_t nring;
+    void **events;
+    int64_t *packed; /* per ring slot: the global chunk packed there and not yet copied */
+    int nlanes;
+    pthread_t *lanes;
+    pthread_t feeder;
+    int threads_started;
+
+    pthread_mutex_t mutex;
+    pthread_cond_t changed;
+    dlo_job jobs[MAX_JOBS];
+    uint64_t jobs_submitted;
+    uint64_t jobs_enqueued;
+    uint64_t chunks_submitted;
+    uint64_t chunks_enqueued;
+    int stopping;
+    int error;
+    dlo_ring_stats stats;
+} dlo_ring;
+
+typedef struct {
+    dlo_ring *ring;
+    int lane;
+} lane_start;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Record the first failure and wake every waiter; the caller holds the mutex. */
+static void fail_locked(dlo_ring *ring, int error) {
+    if (!ring->error) ring->error = error ? error : -1;
+    ring->stopping = 1;
+    pthread_cond_broadcast(&ring->changed);
+}
+
+static void fail(dlo_ring *ring, int error) {
+    pthread_mutex_lock(&ring->mutex);
+    fail_locked(ring, error);
+    pthread_mutex_unlock(&ring->mutex);
+}
+
+/* The job that holds global chunk `chunk`: not yet enqueued, so at or after jobs_enqueued. */
+static const dlo_job *job_of_locked(dlo_ring *ring, uint64_t chunk) {
+    for (uint64_t id = ring->jobs_enqueued; id < ring->jobs_submitted; id++) {
+        const dlo_job *job = &ring->jobs[id % MAX_JOBS];
+        if (chunk >= job->first_chunk && chunk < job->first_chunk + job->nchunks) return job;
+    }
+    return NULL;
+}
+
+/* Write destination bytes [low, high) of `job` into `target`, zeroing the gaps. */
+static void pack(const dlo_job *job, uint64_t low, uint64_t high, char *target) {
+    uint64_t first = 0, last = job->npieces;
+    while (first < last) { /* the first piece that ends after `low` */
+        uint64_t middle = first + (last - first) / 2;
+        const dlo_piece *piece = &job->pieces[middle];
+        if (piece->offset + piece->nbytes <= low) first = middle + 1; else last = middle;
+    }
+    uint64_t cursor = low;
+    for (uint64_t index = first; index < job->npieces; index++) {
+        const dlo_piece *piece = &job->pieces[index];
+        if (piece->offset >= high) break;
+        uint64_t begin = piece->offset > low ? piece->offset : low;
+        uint64_t end = piece->offset + piece->nbytes < high ? piece->offset + piece->nbytes : high;
+        if (begin > cursor) memset(target + (cursor - low), 0, begin - cursor);
+        memcpy(target + (begin - low), (const char *)(uintptr_t)piece->source + (begin - piece->offset),
+               end - begin);
+        cursor = end;
+    }
+    if (cursor < high) memset(target + (cursor - low), 0, high - cursor);
+}
+
+static void *run_lane(void *argument) {
+    lane_start *start = argument;
+    dlo_ring *ring = start->ring;
+    uint64_t chunk = (uint64_t)start->lane;
+    free(start);
+    if (ring->cuda && ring->api.set_device(ring->device) != 0) {
+        fail(ring, -2);
+        return NULL;
+    }
+    for (;; chunk += (uint64_t)ring->nlanes) {
+        uint64_t waited = now_ns();
+        pthread_mutex_lock(&ring->mutex);
+        /* Work for this chunk, and its ring slot's previous chunk handed to the stream. */
+        while (!ring->stopping &&
+               (chunk >= ring->chunks_submitted || ring->chunks_enqueued + ring->nring <= chunk))
+            pthread_cond_wait(&ring->changed, &ring->mutex);
+        if (ring->stopping) {
+            pthread_mutex_unlock(&ring->mutex);
+            return NULL;
+        }
+        const dlo_job *found = job_of_locked(ring, chunk);
+        dlo_job job = *found;
+        pthread_mutex_unlock(&ring->mutex);
+        uint64_t slot = chunk % ring->nring;
+        if (ring->cuda && chunk >= ring->nring) {
+            int status = ring->api.event_synchronize(ring->events[slot]);
+            if (status != 0) {
+                fail(ring, status);
+                return NULL;
+            }
+        }
+        uint64_t began = now_ns();
+        uint64_t low = (chunk - job.first_chunk) * ring->chunk_bytes;
+        uint64_t high = low + ring->chunk_bytes < job.nbytes ? low + ring->chunk_bytes : job.nbytes;
+        pack(&job, low, high, ring->ring + slot * ring->chunk_bytes);
+        uint64_t ended = now_ns();
+        pthread_mutex_lock(&ring->mutex);
+        ring->packed[slot] = (int64_t)chunk;
+        ring->stats.packed_bytes += high - low;
+        ring->stats.pack_ns += ended - began;
+        ring->stats.lane_wait_ns += began - waited;
+        pthread_cond_broadcast(&ring->changed);
+        pthread_mutex_unlock(&ring->mutex);
+    }
+}
+
+static int enqueue(dlo_ring *ring, const dlo_job *job, uint64_t chunk) {
+    uint64_t slot = chunk % ring->nring;
+    uint64_t low = (chunk - job->first_chunk) * ring->chunk_bytes;
+    uint64_t high = low + ring->chunk_bytes < job->nbytes ? low + ring->chunk_bytes : job->nbytes;
+    char *source = ring->ring + slot * ring->chunk_bytes;
+    if (!ring->cuda) {
+        memcpy(job->destination + low, source, high - low);
+        return 0;
+    }
+    int status = 0;
+    int first = chunk == job->first_chunk, last = chunk + 1 == job->first_chunk + job->nchunks;
+    if (first && job->wait_event) status = ring->api.stream_wait_event(ring->stream, job->wait_event, 0);
+    if (!status && first && job->start_event) status = ring->api.event_record(job->start_event, ring->stream);
+    if (!status)
+        status = ring->api.memcpy_async(job->destination + low, source, high - low,
+                                        CUDA_MEMCPY_HOST_TO_DEVICE, ring->stream);
+    if (!status) status = ring->api.event_record(ring->events[slot], ring->stream);
+    if (!status && last && job->ready_event) status = ring->api.event_record(job->ready_event, ring->stream);
+    if (!status && last && job->end_event) status = ring->api.event_record(job->end_event, ring->stream);
+    return status;
+}
+
+static void *run_feeder(void *argument) {
+    dlo_ring *ring = argument;
+    if (ring->cuda && ring->api.set_device(ring->device) != 0) {
+        fail(ring, -2);
+        return NULL;
+    }
+    for (uint64_t chunk = 0;; chunk++) {
+        uint64_t waited = now_ns();
+        pthread_mutex_lock(&ring->mutex);
+        while (!ring->stopping && ring->packed[chunk % ring->nring] != (int64_t)chunk)
+            pthread_cond_wait(&ring->changed, &ring->mutex);
+        if (ring->stopping) {
+            pthread_mutex_unlock(&ring->mutex);
+            return NULL;
+        }
+        ring->stats.feeder_wait_ns += now_ns() - waited;
+        dlo_job job = *job_of_locked(ring, chunk);
+        pthread_mutex_unlock(&ring->mutex);
+        int status = enqueue(ring, &job, chunk);
+        pthread_mutex_lock(&ring->mutex);
+        if (status) {
+            fail_locked(ring, status);
+            pthread_mutex_unlock(&ring->mutex);
+            return NULL;
+        }
+        ring->packed[chunk % ring->nring] = -1;
+        ring->chunks_enqueued = chunk + 1;
+        ring->stats.chunks += 1;
+        if (chunk + 1 == job.first_chunk + job.nchunks) ring->jobs_enqueued += 1;
+        pthread_cond_broadcast(&ring->changed);
+        pthread_mutex_unlock(&ring->mutex);
+    }
+}
+
+void dlo_ring_destroy(dlo_ring *ring);
+
+/* A ring over `nring` chunks of `chunk_bytes` at `memory` (page-locked when `api` is
+ * given), `lanes` packer threads; NULL on failure with *error set. */
+dlo_ring *dlo_ring_create(const dlo_cuda_api *api, int device, void *stream, char *memory,
+                          uint64_t chunk_bytes, uint64_t nring, int lanes, int *error) {
+    *error = 0;
+    if (!memory || chunk_bytes == 0 || nring < 2 || lanes < 1) {
+        *error = EINVAL;
+        return NULL;
+    }
+    dlo_ring *ring = calloc(1, sizeof(dlo_ring));
+    if (!ring) {
+        *error = ENOMEM;
+        return NULL;
+    }
+    if (api) ring->api = *api;
+    ring->cuda = api != NULL;
+    ring->device = device;
+    ring->stream = stream;
+    ring->ring = memory;
+    ring->chunk_bytes = chunk_bytes;
+    ring->nring = nring;
+    ring->nlanes = lanes;
+    pthread_mutex_init(&ring->mutex, NULL);
+    pthread_cond_init(&ring->changed, NULL);
+    ring->events = calloc(nring, sizeof(void *));
+    ring->packed = malloc(nring * sizeof(int64_t));
+    ring->lanes = calloc((size_t)lanes, sizeof(pthread_t));
+    if (!ring->events || !ring->packed || !ring->lanes) {
+        *error = ENOMEM;
+        dlo_ring_destroy(ring);
+        return NULL;
+    }
+    for (uint64_t slot = 0; slot < nring; slot++) ring->packed[slot] = -1;
+    if (ring->cuda) {
+        int status = ring->api.set_device(device);
+        for (uint64_t slot = 0; !status && slot < nring; slot++)
+            status = ring->api.event_create_with_flags(&ring->events[slot], CUDA_EVENT_DISABLE_TIMING);
+        if (status) {
+            *error = status;
+            dlo_ring_destroy(ring);
+            return NULL;
+        }
+    }
+    if (pthread_create(&ring->feeder, NULL, run_feeder, ring) != 0) {
+        *error = EAGAIN;
+        dlo_ring_destroy(ring);
+        return NULL;
+    }
+    ring->threads_started = 1;
+    for (int lane = 0; lane < lanes; lane++) {
+        lane_start *start = malloc(sizeof(lane_start));
+        if (!start || (start->ring = ring, start->lane = lane,
+                       pthread_create(&ring->lanes[lane], NULL, run_lane, start) != 0)) {
+            free(start);
+            ring->nlanes = lane; /* join only the lanes that run */
+            *error = EAGAIN;
+            dlo_ring_destroy(ring);
+            return NULL;
+        }
+    }
+    return ring;
+}
+
+/* Queue `pieces` (sorted by offset) to fill `destination[0, nbytes)`: the stream waits
+ * for `wait_event` first, then records `start_event`; after the last copy it records
+ * `ready_event` and `end_event` (each may be NULL). Returns the job's id (>= 0), or a
+ * negative error. Blocks while the job queue is full. */
+int64_t dlo_ring_submit(dlo_ring *ring, const dlo_piece *pieces, uint64_t npieces,
+                        char *destination, uint64_t nbytes, void *wait_event, void *start_event,
+                        void *ready_event, void *end_event) {
+    if (nbytes == 0) return -EINVAL;
+    pthread_mutex_lock(&ring->mutex);
+    while (!ring->stopping && ring->jobs_submitted - ring->jobs_enqueued >= MAX_JOBS)
+        pthread_cond_wait(&ring->changed, &ring->mutex);
+    if (ring->stopping) {
+        int error = ring->error;
+        pthread_mutex_unlock(&ring->mutex);
+        return -(int64_t)(error ? (error > 0 ? error : -error) : ECANCELED);
+    }
+    uint64_t id = ring->jobs_submitted;
+    dlo_job *job = &ring->jobs[id % MAX_JOBS];
+    job->pieces = pieces;
+    job->npieces = npieces;
+    job->destination = destination;
+    job->nbytes = nbytes;
+    job->wait_event = wait_event;
+    job->start_event = start_event;
+    job->ready_event = ready_event;
+    job->end_event = end_event;
+    job->first_chunk = ring->chunks_submitted;
+    job->nchunks = (nbytes + ring->chunk_bytes - 1) / ring->chunk_bytes;
+    ring->chunks_submitted += job->nchunks;
+    ring->jobs_submitted = id + 1;
+    pthread_cond_broadcast(&ring->changed);
+    pthread_mutex_unlock(&ring->mutex);
+    return (int64_t)id;
+}
+
+/* Block until job `id` is enqueued on the stream (copied, without CUDA). Returns 0, or
+ * the first error of the ring (a CUDA status, or a negative code of its own). */
+int dlo_ring_wait(dlo_ring *ring, int64_t id) {
+    pthread_mutex_lock(&ring->mutex);
+    while (!ring->error && ring->jobs_enqueued <= (uint64_t)id)
+        pthread_cond_wait(&ring->changed, &ring->mutex);
+    int error = ring->jobs_enqueued > (uint64_t)id ? 0 : ring->error;
+    pthread_mutex_unlock(&ring->mutex);
+    return error;
+}
+
+void dlo_ring_stats_read(dlo_ring *ring, dlo_ring_stats *stats) {
+    pthread_mutex_lock(&ring->mutex);
+    *stats = ring->stats;
+    pthread_mutex_unlock(&ring->mutex);
+}
+
+/* Stop the threads (after outstanding jobs were waited for) and free the ring's own
+ * state; the chunk memory is the caller's, and the caller synchronizes the stream. */
+void dlo_ring_destroy(dlo_ring *ring) {
+    if (!ring) return;
+    pthread_mutex_lock(&ring->mutex);
+    ring->stopping = 1;
+    pthread_cond_broadcast(&ring->changed);
+    pthread_mutex_unlock(&ring->mutex);
+    if (ring->threads_started) {
+        pthread_join(ring->feeder, NULL);
+        for (int lane = 0; lane < ring->nlanes; lane++) pthread_join(ring->lanes[lane], NULL);
+    }
+    if (ring->cuda && ring->events) {
+        for (uint64_t slot = 0; slot < ring->nring; slot++)
+            if (ring->events[slot]) ring->api.event_destroy(ring->events[slot]);
+    }
+    free(ring->events);
+    free(ring->packed);
+    free(ring->lanes);
+    pthread_cond_destroy(&ring->changed);
+    pthread_mutex_destroy(&ring->mutex);
+    free(ring);
+}
