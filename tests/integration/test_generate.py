@@ -98,6 +98,10 @@ def test_an_unusable_out_path_exits_2_before_loading(demo_model_dir: Path, tmp_p
         str(regular / "image.png"): "is not a directory",
         str(fifo): "is not a regular file",
         str(tmp_path / "missing" / "image.png"): "does not exist; create it, or add --make-parents",
+        # Longer than NAME_MAX, and short enough itself but not with the atomic write's
+        # temporary name beside it (both ended in ENAMETOOLONG, the first one after loading).
+        str(tmp_path / ("x" * 296 + ".png")): "is too long for its file system",
+        str(tmp_path / ("y" * 246 + ".png")): "is too long for its file system",
     }
     for out, named in cases.items():
         _refused_before_loading(generate(demo_model_dir, Path(out) if out else Path("")), named)

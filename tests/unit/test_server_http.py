@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -342,3 +343,75 @@ def test_the_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open() -
             assert requests.get(f"{url}{path}", timeout=5).status_code == 200, path
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "expected"),
+    [
+        (GENERATE_PATH, b'{"steps": "2"}', "steps: Input should be a valid integer"),
+        (GENERATE_PATH, b'{"steps": true}', "steps: Input should be a valid integer"),
+        (GENERATE_PATH, b'{"steps": 2.5}', "steps: Input should be a valid integer"),
+        (GENERATE_PATH, b'{"seed": "7"}', "seed: Input should be a valid integer"),
+        (GENERATE_PATH, b'{"guidance_scale": true}', "guidance_scale: Input should be a valid"),
+        (GENERATE_PATH, b'{"guidance_scale": NaN}', "guidance_scale: Input should be a finite"),
+        (GENERATE_PATH, b'{"guidance_scale": -Infinity}', "guidance_scale: Input should be a fin"),
+        (GENERATE_PATH, b'{"prompt": 5}', "prompt: Input should be a valid string"),
+        ("/v1/images/generations", b'{"prompt": "a", "n": true}', "n: Input should be a valid"),
+        ("/v1/images/generations", b'{"prompt": "a", "steps": "2"}', "steps: Input should be"),
+        ("/v1/images/generations", b'{"prompt": "a", "guidance_scale": NaN}', "finite number"),
+    ],
+)
+def test_numbers_are_numbers_no_string_or_boolean_is_coerced(
+    leader: tuple[str, ServerState], path: str, body: bytes, expected: str
+) -> None:
+    url, state = leader
+    state.queue.open()
+    response = requests.post(f"{url}{path}", data=body, timeout=5)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert expected in (error if isinstance(error, str) else error["message"])
+    assert len(state.queue) == 0
+
+
+def test_a_trailing_slash_is_not_redirected_to_the_request_host(
+    leader: tuple[str, ServerState],
+) -> None:
+    """Starlette's slash redirect builds its Location from the client's Host header."""
+    answer = _exchange(
+        leader[0],
+        b"POST /v1/generate/ HTTP/1.1\r\nHost: evil.example\r\nContent-Length: 2\r\n"
+        b"Connection: close\r\n\r\n{}",
+    )
+    assert answer.startswith("HTTP/1.1 404"), answer
+    assert "evil.example" not in answer
+    assert "location:" not in answer.lower()
+
+
+def test_metrics_publish_no_versions(leader: tuple[str, ServerState]) -> None:
+    import platform
+
+    body = requests.get(f"{leader[0]}/metrics", timeout=5).text
+    assert "python_info" not in body
+    assert platform.python_version() not in body
+
+
+def test_a_client_that_leaves_mid_body_is_one_info_line_and_a_metric(
+    leader: tuple[str, ServerState], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, state = leader
+    state.queue.open()
+    before = _counter("client_disconnected")
+    with caplog.at_level("INFO"), socket.create_connection(_address(url), timeout=5) as client:
+        client.sendall(b'POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"s')
+        time.sleep(0.2)
+        client.close()
+        deadline = time.monotonic() + 5
+        while _counter("client_disconnected") == before:
+            assert time.monotonic() < deadline, "the disconnect was never counted"
+            time.sleep(0.01)
+        time.sleep(0.2)  # anything logged after the count would arrive now
+    assert _counter("client_disconnected") == before + 1
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    (line,) = [r for r in caplog.records if "disconnect" in r.getMessage()]
+    assert line.levelno == logging.INFO
+    assert len(state.queue) == 0

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from dlo_worker import metrics
 from dlo_worker.engine import (
@@ -147,7 +148,8 @@ def _error_response(request: Request, status: int, message: str, headers: dict) 
 def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
     """The ASGI app. No interactive docs: the worker is an API, and docs/serving.md is its
     reference."""
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    # No slash redirects: Starlette builds their Location from the client's Host header.
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
@@ -281,6 +283,14 @@ async def _read_body(request: Request, limits: HTTPLimits) -> bytes:
 
     try:
         await asyncio.wait_for(collect(), limits.body_timeout_s)
+    except ClientDisconnect:
+        # An ordinary event of the network, not a server error: nobody is left to answer.
+        metrics.REQUESTS.labels(outcome="client_disconnected").inc()
+        logger.info(
+            "client disconnected before its request body arrived",
+            extra={"fields": {"path": request.url.path, "received_bytes": len(body)}},
+        )
+        raise APIError(499, "client closed the request", close=True) from None
     except TimeoutError:
         raise APIError(
             408,
@@ -296,8 +306,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 def _parse(raw: bytes, model: type[Body]) -> Body:
-    """The JSON body as ``model`` (an empty body means every default), or 422."""
-    return _validated(lambda: model.model_validate_json(raw or b"{}"))
+    """The JSON body as ``model`` (an empty body means every default), or 422. Strict: a
+    number must be a JSON number (``"2"`` and ``true`` are refused, not coerced)."""
+    return _validated(lambda: model.model_validate_json(raw or b"{}", strict=True))
 
 
 def _validated(build: Callable[[], Body]) -> Body:

@@ -6,12 +6,17 @@ and tests can read them from the default registry.
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, Info
+from prometheus_client import PLATFORM_COLLECTOR, REGISTRY, Counter, Gauge, Histogram, Info
+
+# ``/metrics`` is open without the API key: publish no interpreter or library versions
+# (the default registry's ``python_info`` names the exact Python release).
+REGISTRY.unregister(PLATFORM_COLLECTOR)
 
 REQUESTS = Counter(
     "dlo_requests",
     "Generation requests by outcome (ok, failed, rejected_invalid, rejected_busy, "
-    "rejected_unavailable, rejected_unauthorized).",
+    "rejected_unavailable, rejected_unauthorized, dropped_disconnected: the client left "
+    "while queued, client_disconnected: the client left before its body arrived).",
     ["outcome"],
 )
 REQUEST_SECONDS = Histogram(

@@ -20,8 +20,21 @@ class OutputPathError(ValueError, UserFixableError):
     """``--out`` names something the image cannot be written to."""
 
 
+TEMPORARY_NAME_EXTRA = len(".") + len(".") + 8
+"""The atomic write's temporary file beside the image is ``.<name>.<8 random characters>``
+(:func:`dlo_worker.generate.write_png`), so the name must leave room for it."""
+
+
 def check_output_path(path: Path, *, make_parents: bool) -> None:
     """Raise :class:`OutputPathError` unless ``path`` can take the image."""
+    try:
+        _check_output_path(path, make_parents=make_parents)
+    except OSError as error:
+        raise OutputPathError(f"--out {path}: {error.strerror or error}") from None
+
+
+def _check_output_path(path: Path, *, make_parents: bool) -> None:
+    _check_name_lengths(path)
     if path.exists() or path.is_symlink():
         mode = path.stat().st_mode if path.exists() else 0
         if stat.S_ISDIR(mode):
@@ -41,6 +54,25 @@ def check_output_path(path: Path, *, make_parents: bool) -> None:
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputPathError(f"--out {path}: the directory {parent} is not writable")
+
+
+def _check_name_lengths(path: Path) -> None:
+    """Every name of ``path`` (and the temporary file's) fits the file system's limits, so
+    the write after generation cannot fail with ``ENAMETOOLONG``."""
+    nearest = _nearest_existing(path.parent)
+    name_max = os.pathconf(nearest, "PC_NAME_MAX")
+    path_max = os.pathconf(nearest, "PC_PATH_MAX")
+    resolved = path.resolve()
+    *directories, name = resolved.relative_to(nearest).parts  # the names still to create
+    too_long = len(os.fsencode(name)) + TEMPORARY_NAME_EXTRA > name_max or any(
+        len(os.fsencode(directory)) > name_max for directory in directories
+    )
+    if too_long or len(os.fsencode(resolved)) + TEMPORARY_NAME_EXTRA >= path_max:
+        limit = f"names of at most {name_max - TEMPORARY_NAME_EXTRA} bytes for the image"
+        raise OutputPathError(
+            f"--out {path}: the path is too long for its file system ({limit}, "
+            f"{name_max} for directories, {path_max} in all); choose a shorter name"
+        )
 
 
 def new_file_mode(path: Path) -> int:

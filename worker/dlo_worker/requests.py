@@ -4,16 +4,17 @@ Kept apart from :mod:`dlo_worker.config` because a worker serves many requests
 with one configuration; the CLI's ``generate`` and the HTTP server share it.
 The schema bounds every field; :func:`request_problems` then checks a request
 against what the loaded pipeline actually uses (:class:`RequestLimits`), so a field
-the model would ignore or overflow is refused instead of silently dropped.
+the model would ignore or overflow is refused instead of silently dropped. JSON bodies
+are validated strictly (:func:`dlo_worker.http_app`): a number must be a JSON number, never
+a string or a boolean; the CLI's flags arrive as text and are parsed as numbers.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_IMAGES_PER_REQUEST = 8
 MAX_PROMPT_CHARACTERS = 10_000
@@ -31,6 +32,7 @@ class GenerationRequest(BaseModel):
         default=4.0,
         ge=0.0,
         le=100.0,
+        allow_inf_nan=False,
         description="Guidance scale, 0-100: classifier-free (<= 1 disables it) or, for "
         "guidance-distilled models such as FLUX.1-dev, the embedded guidance.",
     )
@@ -52,6 +54,7 @@ class GenerationRequest(BaseModel):
         default=None,
         ge=1.0,
         le=100.0,
+        allow_inf_nan=False,
         description="True classifier-free guidance with negative_prompt, for "
         "guidance-distilled pipelines (Flux); > 1 runs a second transformer pass per step.",
     )
@@ -64,13 +67,6 @@ class GenerationRequest(BaseModel):
     num_images: int = Field(
         default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Images for this request."
     )
-
-    @field_validator("guidance_scale", "true_cfg_scale")
-    @classmethod
-    def _scale_is_finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"must be a finite number, got {value!r}")
-        return value
 
 
 def wave_key(request: GenerationRequest) -> tuple[int, float, float, bool]:
