@@ -7,7 +7,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -17,56 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.checkpoints import add_foreign_tensor, copy_pipeline
-from tests.support.generate import ENV, digest, generate_argv, generate_command
+from tests.support.checkpoints import copy_pipeline
+from tests.support.generate import ENV, digest, generate_command
 from tests.support.launch import rank_logs, torchrun_command
-
-SEED = 11
-CACHE_FLAGS = ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather")
-KEY = re.compile(r'msg="runtime cache attached" key=(?P<key>[0-9a-f]{40}) result=(?P<result>\w+)')
-
-
-@pytest.fixture(scope="module")
-def mixed_model(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return add_foreign_tensor(copy_pipeline(demo_model_dir, tmp_path_factory.mktemp("m") / "m"))
-
-
-@pytest.fixture(scope="module")
-def resident_digest(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("resident") / "resident.png"
-    result = subprocess.run(
-        generate_argv(mixed_model, out, SEED), env=ENV, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return digest(out)
-
-
-def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
-    return generate_argv(
-        model,
-        out,
-        SEED,
-        *CACHE_FLAGS,
-        "--dlo-enable-runtime-cache",
-        "--dlo-runtime-cache-root",
-        str(root),
-        *flags,
-    )
-
-
-def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
-    """Generate with the runtime cache; returns the log (stderr)."""
-    result = subprocess.run(
-        cached_argv(model, out, root, *flags), env=ENV, capture_output=True, text=True, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stderr
-
-
-def attached(log: str) -> tuple[str, str]:
-    match = KEY.search(log)
-    assert match, log
-    return match["key"], match["result"]
+from tests.support.runtime_cache import (
+    CACHE_FLAGS,
+    SEED,
+    attached,
+    cache_cli,
+    cached_argv,
+    hold_lock,
+    in_private_mount,
+    run_cached,
+)
 
 
 def test_four_processes_on_one_root_build_once_and_all_write_the_resident_bytes(
@@ -166,21 +128,6 @@ def test_a_truncated_manifest_is_quarantined_and_rebuilt(
     assert digest(tmp_path / "b.png") == resident_digest
 
 
-def _hold_lock(path: Path, mode: str = "LOCK_EX") -> subprocess.Popen:
-    """Another process that holds a ``flock`` on ``path`` until killed: exclusive (a builder)
-    or ``LOCK_SH`` (a process that maps the entry)."""
-    code = (
-        "import fcntl, os, time\n"
-        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
-        f"fcntl.flock(fd, fcntl.{mode})\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "locked"
-    return holder
-
-
 def test_a_held_build_lock_falls_back_to_the_ordinary_tensors_after_the_timeout(
     mixed_model: Path, resident_digest: str, tmp_path: Path
 ) -> None:
@@ -190,7 +137,7 @@ def test_a_held_build_lock_falls_back_to_the_ordinary_tensors_after_the_timeout(
     for path in entry.iterdir():
         path.unlink()
     entry.rmdir()
-    holder = _hold_lock(root / "locks" / f"{key}.build")
+    holder = hold_lock(root / "locks" / f"{key}.build")
     try:
         started = time.monotonic()
         log = run_cached(
@@ -215,7 +162,7 @@ def _builder_killed_mid_publish(root: Path) -> None:
         "    (directory / 'blocks-00000.safetensors').write_bytes(b'partial')\n"
         "    print('writing', flush=True)\n"
         "    time.sleep(600)\n"
-        f"RuntimeCacheStore(Path({str(root)!r}), 5).build_or_join('k' * 40, 0, write)\n"
+        f"RuntimeCacheStore(Path({str(root)!r}), 5).build_or_join('c0' * 20, 0, write)\n"
     )
     builder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert builder.stdout.readline().strip() == "writing"
@@ -230,49 +177,22 @@ def test_a_builder_killed_mid_publish_leaves_no_entry_and_the_next_owner_cleans_
 
     root = tmp_path / "cache"
     _builder_killed_mid_publish(root)
-    assert not (root / "entries" / ("k" * 40)).exists()
+    assert not (root / "entries" / ("c0" * 20)).exists()
     assert len(list((root / "tmp").iterdir())) == 1  # the dead writer's leftovers
 
     def write(directory: Path) -> None:
         (directory / "manifest.json").write_text(
-            json.dumps({"format_version": 1, "key": "k" * 40, "files": {}})
+            json.dumps({"format_version": 1, "key": "c0" * 20, "files": {}})
         )
 
     store = RuntimeCacheStore(root, 5)
-    outcome = store.build_or_join("k" * 40, 0, write)
+    outcome = store.build_or_join("c0" * 20, 0, write)
     assert outcome.built
     assert list((root / "tmp").iterdir()) == []
     # The lock died with its holder: taking it again does not wait.
-    fd = os.open(root / "locks" / f"{'k' * 40}.build", os.O_RDWR)
+    fd = os.open(root / "locks" / f"{'c0' * 20}.build", os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.close(fd)
-
-
-def _in_private_mount(
-    root: Path, mount_options: str, argv: list[str]
-) -> subprocess.CompletedProcess[str]:
-    """Run ``argv`` with ``root`` a fresh tmpfs mounted with ``mount_options`` (a private
-    mount namespace: nothing outside the process sees it)."""
-    root.mkdir(parents=True, exist_ok=True)
-    script = f'mount -t tmpfs -o {mount_options} tmpfs "$1" && shift && exec "$@"'
-    return subprocess.run(
-        [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            script,
-            "sh",
-            str(root),
-            *argv,
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -285,7 +205,7 @@ def test_a_full_or_read_only_root_falls_back_with_the_reason(
     mixed_model: Path, resident_digest: str, tmp_path: Path, mount_options: str, reason: str
 ) -> None:
     root = tmp_path / "cache"
-    result = _in_private_mount(
+    result = in_private_mount(
         root, mount_options, cached_argv(mixed_model, tmp_path / "a.png", root)
     )
     assert result.returncode == 0, result.stderr
@@ -344,7 +264,7 @@ def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
     # Room for the float32 entry and a bit more: not for the bfloat16 one beside it.
     budget = f"{_entry_bytes(root / 'entries' / first) * 1.2 / 2**30:.9f}"
     flags = ("--dlo-runtime-cache-size-budget-gib", budget)
-    holder = _hold_lock(root / "locks" / f"{first}.use", "LOCK_SH") if first_in_use else None
+    holder = hold_lock(root / "locks" / f"{first}.use", "LOCK_SH") if first_in_use else None
     try:
         log = run_cached(mixed_model, tmp_path / "b.png", root, "--dtype", "bfloat16", *flags)
     finally:
@@ -365,16 +285,6 @@ def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
         third, result = attached(run_cached(mixed_model, tmp_path / "c.png", root, *flags))
         assert (third, result) == (first, "built")
         assert digest(tmp_path / "c.png") == resident_digest
-
-
-def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dlo_worker", "cache", *arguments],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
 
 
 def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path: Path) -> None:
@@ -402,7 +312,7 @@ def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path:
     assert listed["components"] == {"transformer": "DiTTransformer2DModel"}
     assert listed["bytes"] == report["bytes"]
     assert listed["in_use_by"] == 0
-    holder = _hold_lock(root / "locks" / f"{key}.use", "LOCK_SH")
+    holder = hold_lock(root / "locks" / f"{key}.use", "LOCK_SH")
     try:
         (listed,) = json.loads(cache_cli("ls", "--root", str(root)).stdout)
         assert listed["in_use_by"] == 1

@@ -296,10 +296,15 @@ def _command_cache_warm(args: argparse.Namespace) -> int:
 
 
 def _cache_store(args: argparse.Namespace) -> RuntimeCacheStore:
+    """The store of ``--root``, which must exist: a mistyped root is an error, never an
+    empty listing. Every problem a command meets there is one line (exit 2)."""
     from dlo_worker.config import default_runtime_cache_root
     from dlo_worker.runtime_cache.store import RuntimeCacheStore
 
-    return RuntimeCacheStore(Path(args.root or default_runtime_cache_root()), lock_timeout=0)
+    root = Path(args.root or default_runtime_cache_root())
+    if not root.is_dir():
+        raise UsageError(f"no runtime cache at {root} (no such directory); check --root")
+    return RuntimeCacheStore(root, lock_timeout=0)
 
 
 def _command_cache_ls(args: argparse.Namespace) -> int:

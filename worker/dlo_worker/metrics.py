@@ -50,6 +50,12 @@ RUNTIME_CACHE_STARTS = Counter(
     "Starts with the runtime cache enabled, by result (built, joined, hit: skip-load, fallback).",
     ["result"],
 )
+RUNTIME_CACHE_CORRUPT = Counter(
+    "dlo_runtime_cache_corrupt",
+    "Runtime-cache entries that failed verification and were quarantined (what=entry), and "
+    "skip-load source records naming an entry of another model, dropped (what=source-record).",
+    ["what"],
+)
 RUNTIME_CACHE_BUILD_SECONDS = Histogram(
     "dlo_runtime_cache_build_seconds",
     "Time to hash, write and publish a runtime-cache entry.",

@@ -44,11 +44,11 @@ from dlo_worker.loader.model_directory import (
     quiet_diffusers_handlers,
 )
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
-from dlo_worker.offload.host_source import HostWeightPlanError
 from dlo_worker.runtime_cache import (
     CacheReport,
     CacheRequest,
     RuntimeCacheEntry,
+    SkipLoadLookup,
     attach_runtime_cache,
     entry_for_source,
     record_source,
@@ -148,17 +148,14 @@ class DiffusersPipelineLoader:
         return pipeline
 
     def _prepare_dits(
-        self,
-        dit_classes: dict[str, str],
-        hit: tuple[RuntimeCacheEntry, CacheReport] | None,
-        source: CacheSource | None,
+        self, dit_classes: dict[str, str], hit: SkipLoadLookup | None, source: CacheSource | None
     ) -> PreparedDiTs:
         """Skeletons bound to the entry on a skip-load hit, else each DiT's preflight."""
         prepared = PreparedDiTs()
         if hit is not None:
-            entry, self.cache_report = hit
+            self.cache_report = hit.report
             for component, skeleton in source.skeletons.items():
-                prepared.prebuilt[component] = _bind_to_entry(skeleton, entry, component)
+                prepared.prebuilt[component] = skeleton
                 prepared.bound.add(component)
             prepared.reasons.append(self.cache_report.describe())
             return prepared
@@ -176,14 +173,14 @@ class DiffusersPipelineLoader:
     def _host_backing(
         self,
         pipeline: DiffusionPipeline,
-        hit: tuple[RuntimeCacheEntry, CacheReport] | None,
+        hit: SkipLoadLookup | None,
         prepared: PreparedDiTs,
         source: CacheSource | None,
     ) -> HostBacking:
         """Hand over the skip-load entry, the checkpoint plan, or the runtime cache built
         or joined from the loaded DiTs (recording their source for the next start)."""
         if hit is not None:
-            self._plan = hit[0]
+            self._plan = hit.entry
             return HostBacking.RUNTIME_CACHE
         if prepared.planned:
             self._plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, prepared.planned)
@@ -210,7 +207,7 @@ class DiffusersPipelineLoader:
         when one has no safetensors checkpoint or an unknown class."""
         import diffusers
 
-        components, skeletons = {}, {}
+        components, skeletons, adapters = {}, {}, {}
         for component, class_name in dit_classes.items():
             model_class = getattr(diffusers, class_name, None)
             component_dir = self.model_dir / component
@@ -219,11 +216,12 @@ class DiffusersPipelineLoader:
                 return None
             skeleton = _skeleton(model_class, component_dir, self.dtype)
             resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
+            adapters[component] = resolution.adapters if resolution.complete else ()
             components[component] = component_source(
                 files=checkpoint.files,
                 config_json=(component_dir / "config.json").read_text(),
                 dit_class=class_name,
-                adapters=resolution.adapters if resolution.complete else (),
+                adapters=adapters[component],
             )
             skeletons[component] = skeleton
         if not components:
@@ -234,23 +232,24 @@ class DiffusersPipelineLoader:
             block_paths=self.config.offload.dlo_block_paths,
             backings=self.config.effective().host_backing_candidates,
         )
-        return CacheSource(key, skeletons)
+        return CacheSource(key, skeletons, adapters)
 
-    def _skip_load(
-        self, source: CacheSource | None
-    ) -> tuple[RuntimeCacheEntry, CacheReport] | None:
-        """The entry recorded for ``source`` (skip-load), per the configured mode."""
+    def _skip_load(self, source: CacheSource | None) -> SkipLoadLookup | None:
+        """The verified entry recorded for ``source`` (skip-load), per the configured mode:
+        None on a miss (a corrupt entry is quarantined and the ordinary load rebuilds it),
+        refused when required."""
         mode = self.config.offload.dlo_runtime_cache_skip_load
         if source is None or mode == SkipLoad.OFF:
             return None
-        hit = entry_for_source(self._cache_request({}), source.key)
-        if hit is None and mode == SkipLoad.REQUIRED:
+        found = entry_for_source(self._cache_request(source.adapters), source.key, source.skeletons)
+        if found.entry is not None:
+            return found
+        if mode == SkipLoad.REQUIRED:
             raise RuntimeCacheMissError(
-                "--dlo-runtime-cache-skip-load required: no runtime-cache entry is recorded "
-                f"for this model's source under {self._cache_request({}).root}; run "
-                "`dlo-worker cache warm` with the same flags first, or use preferred"
+                f"--dlo-runtime-cache-skip-load required: {found.why}; run `dlo-worker cache "
+                "warm` with the same flags first, or use preferred"
             )
-        return hit
+        return None
 
     def _uses_runtime_cache(self) -> bool:
         """Rank-local DLO with the runtime cache among the host backings (a checkpoint plan,
@@ -265,7 +264,7 @@ class DiffusersPipelineLoader:
             lock_timeout=offload.dlo_runtime_cache_lock_timeout,
             size_budget_bytes=None
             if offload.dlo_runtime_cache_size_budget_gib is None
-            else int(offload.dlo_runtime_cache_size_budget_gib * 2**30),
+            else round(offload.dlo_runtime_cache_size_budget_gib * 2**30),
             block_paths=offload.dlo_block_paths,
             adapters=adapters,
             # This release runs TP 1 only (execution_errors refuses more).
@@ -311,22 +310,8 @@ class CacheSource:
 
     key: str
     skeletons: dict[str, nn.Module]
-
-
-def _bind_to_entry(skeleton: nn.Module, entry: RuntimeCacheEntry, component: str) -> nn.Module:
-    """A meta skeleton whose tensors take the entry's dtypes (a class may keep some modules
-    in float32); the DLO backend then binds every tensor to the entry."""
-    state = skeleton.state_dict(keep_vars=True)
-    for name, tensor in state.items():
-        stored = entry.tensor(component, name)
-        if stored.dtype != tensor.dtype or stored.shape != tensor.shape:
-            if stored.shape != tensor.shape:
-                raise HostWeightPlanError(
-                    f"runtime-cache entry {entry.directory.name}: {component}.{name} has shape "
-                    f"{tuple(stored.shape)}, the model {tuple(tensor.shape)}"
-                )
-            tensor.data = torch.empty_like(tensor, dtype=stored.dtype, device="meta")
-    return skeleton
+    adapters: dict[str, tuple[str, ...]]
+    """The checkpoint adapters an ordinary load of each DiT goes through (a guard)."""
 
 
 @dataclass(frozen=True)

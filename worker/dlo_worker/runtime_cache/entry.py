@@ -9,22 +9,25 @@ them. The manifest records the identity, the content digest, the layout, the SHA
 size of every file, the writer and the creation time.
 
 Writing happens in a directory the caller publishes atomically (see ``store``); reading
-maps the files and hands out zero-copy views through the ``HostWeightSource`` protocol.
+checks the manifest (:mod:`~dlo_worker.runtime_cache.manifest`) and each file's kind, size
+and modification time, maps the files and hands out zero-copy views through the
+``HostWeightSource`` protocol. :meth:`RuntimeCacheEntry.content_problem` re-derives the
+content digest from those views.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import errno
 import os
+import re
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -33,9 +36,21 @@ from dlo_worker import __version__
 from dlo_worker.offload.host_source import HostWeightPlanError
 from dlo_worker.offload.layout import BlockLayout, layout_of, streamed_parameters
 from dlo_worker.offload.plan import discover
+from dlo_worker.runtime_cache.digest import content_digest, file_sha256, files_sha256
 from dlo_worker.runtime_cache.identity import FORMAT_VERSION, CacheIdentity
+from dlo_worker.runtime_cache.manifest import (
+    MANIFEST,
+    STORED_DTYPES,
+    Manifest,
+    ManifestError,
+    StoredBlock,
+    StoredComponent,
+    StoredDType,
+    StoredFile,
+    StoredTensor,
+    parse_manifest,
+)
 
-MANIFEST = "manifest.json"
 FILE_BYTES = 2 * 2**30
 """Blocks are grouped into files of about this size (bounds the writer's extra memory)."""
 
@@ -83,23 +98,6 @@ def component_layout(
     return ComponentLayout(component, blocks, others)
 
 
-def content_digest(
-    components: list[tuple[str, nn.Module]], progress: Callable[[int], None] | None = None
-) -> str:
-    """SHA-256 over every state-dict tensor's name, dtype, shape and bytes (sorted names)."""
-    digest = hashlib.sha256()
-    for component, dit in components:
-        state = dit.state_dict(keep_vars=True)
-        for name in sorted(state):
-            tensor = state[name].detach()
-            header = f"{component}/{name}|{tensor.dtype}|{tuple(tensor.shape)}|"
-            digest.update(header.encode())
-            digest.update(_bytes_of(tensor))
-            if progress is not None:
-                progress(tensor.nbytes)
-    return digest.hexdigest()
-
-
 def entry_nbytes(layouts: list[ComponentLayout]) -> int:
     """Bytes the entry's tensors take on disk (headers aside)."""
     packed = sum(block.layout.nbytes for layout in layouts for block in layout.blocks)
@@ -109,9 +107,10 @@ def entry_nbytes(layouts: list[ComponentLayout]) -> int:
 
 def write_entry(directory: Path, identity: CacheIdentity, layouts: list[ComponentLayout]) -> None:
     """Write the files and the manifest into ``directory`` and fsync them (not the
-    directory's parent: publishing is the store's)."""
+    directory's parent: publishing is the store's). A failed write raises ``OSError``
+    with its errno (``ENOSPC`` for a full disk), also where safetensors wrote."""
     files: dict[str, list[tuple[str, Callable[[], torch.Tensor]]]] = {}
-    manifest_components: dict[str, dict] = {}
+    stored_components: dict[str, StoredComponent] = {}
     file_index, file_bytes = 0, 0
     for layout in layouts:
         blocks = []
@@ -125,23 +124,21 @@ def write_entry(directory: Path, identity: CacheIdentity, layouts: list[Componen
                 files.setdefault(file_name, []).append(
                     (tensor_name, _packer(block, dtype, dtype_layout.numel))
                 )
-                dtypes[_dtype_name(dtype)] = {
-                    "tensor": tensor_name,
-                    "numel": dtype_layout.numel,
-                    "spans": [
-                        [s.name, s.offset, s.numel, list(s.shape)] for s in dtype_layout.spans
-                    ],
-                }
+                dtypes[_dtype_name(dtype)] = StoredDType(
+                    tensor=tensor_name,
+                    numel=dtype_layout.numel,
+                    spans=[(s.name, s.offset, s.numel, list(s.shape)) for s in dtype_layout.spans],
+                )
             file_bytes += block.layout.nbytes
-            blocks.append({"name": block.name, "file": file_name, "dtypes": dtypes})
+            blocks.append(StoredBlock(name=block.name, file=file_name, dtypes=dtypes))
         others = {}
         for name, tensor in layout.others.items():
             tensor_name = f"{layout.component}/{name}"
             files.setdefault("others.safetensors", []).append(
                 (tensor_name, lambda tensor=tensor: tensor.detach().contiguous().clone())
             )
-            others[name] = {"file": "others.safetensors", "tensor": tensor_name}
-        manifest_components[layout.component] = {"blocks": blocks, "others": others}
+            others[name] = StoredTensor(file="others.safetensors", tensor=tensor_name)
+        stored_components[layout.component] = StoredComponent(blocks=blocks, others=others)
 
     recorded = {}
     total = sum(block.layout.nbytes for layout in layouts for block in layout.blocks)
@@ -150,69 +147,79 @@ def write_entry(directory: Path, identity: CacheIdentity, layouts: list[Componen
     ) as progress:
         for file_name, tensors in files.items():
             path = directory / file_name
-            save_file({name: make() for name, make in tensors}, str(path))
+            _save({name: make() for name, make in tensors}, path)
             _fsync(path)
             status = path.stat()
-            recorded[file_name] = {
-                "bytes": status.st_size,
-                "mtime_ns": status.st_mtime_ns,
-                "sha256": file_sha256(path),
-            }
-            progress.update(path.stat().st_size)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "key": identity.key,
-        "identity": identity.as_json(),
-        "content_digest": identity.content_digest,
-        "components": manifest_components,
-        "files": recorded,
-        "writer": f"dlo-worker {__version__}",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+            recorded[file_name] = StoredFile(
+                bytes=status.st_size, mtime_ns=status.st_mtime_ns, sha256=file_sha256(path)
+            )
+            progress.update(status.st_size)
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        key=identity.key,
+        identity=identity.as_json(),
+        components=stored_components,
+        files=recorded,
+        writer=f"dlo-worker {__version__}",
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     path = directory / MANIFEST
-    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    path.write_text(manifest.model_dump_json(indent=1) + "\n")
     _fsync(path)
 
 
-def read_manifest(directory: Path, key: str) -> dict:
-    """The manifest, checked against ``key`` and each file's size and modification time
-    (cheap: every start; a file rewritten after publishing is caught here, bit rot only by
-    :func:`verify_files`)."""
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, its I/O failures as the ``OSError`` they are: safetensors reports a
+    full disk as ``SafetensorError: ... No space left on device (os error 28)``."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        raise EntryError(f"{directory}: unreadable manifest ({error})") from error
-    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-        raise EntryError(f"{directory}: not a format {FORMAT_VERSION} manifest")
-    if manifest.get("key") != key:
-        raise EntryError(f"{directory}: the manifest is for key {manifest.get('key')}, not {key}")
-    for file_name, recorded in manifest.get("files", {}).items():
+        save_file(tensors, str(path))
+    except SafetensorError as error:
+        found = _OS_ERROR.search(str(error))
+        code = int(found[1]) if found else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} (safetensors: {error})", str(path)) from error
+
+
+def read_manifest(directory: Path, key: str) -> Manifest:
+    """The manifest of entry ``key`` (:func:`~dlo_worker.runtime_cache.manifest.parse_manifest`),
+    and each file it lists a regular file of the recorded size and modification time
+    (cheap, every start: catches truncation, a file rewritten after publishing or a link;
+    bit rot only the content digest or :func:`file_problems` does). Raises EntryError."""
+    try:
+        text = _read_regular(directory / MANIFEST)
+        manifest = parse_manifest(text, key)
+    except (OSError, UnicodeDecodeError) as error:
+        raise EntryError(f"{directory / MANIFEST}: unreadable manifest ({error})") from error
+    except ManifestError as error:
+        raise EntryError(f"{directory / MANIFEST}: {error}") from error
+    for file_name, recorded in manifest.files.items():
+        path = directory / file_name
         try:
-            status = (directory / file_name).stat()
+            status = path.lstat()
         except OSError as error:
-            raise EntryError(f"{directory / file_name}: missing ({error})") from error
-        if status.st_size != recorded.get("bytes"):
-            raise EntryError(
-                f"{directory / file_name}: {status.st_size} bytes on disk, "
-                f"{recorded.get('bytes')} recorded"
-            )
-        if status.st_mtime_ns != recorded.get("mtime_ns"):
-            raise EntryError(f"{directory / file_name}: modified after it was published")
+            raise EntryError(f"{path}: missing ({error})") from error
+        if stat.S_ISLNK(status.st_mode):
+            raise EntryError(f"{path}: is a symbolic link (an entry holds regular files only)")
+        if not stat.S_ISREG(status.st_mode):
+            raise EntryError(f"{path}: not a regular file")
+        if status.st_size != recorded.bytes:
+            raise EntryError(f"{path}: {status.st_size} bytes on disk, {recorded.bytes} recorded")
+        if status.st_mtime_ns != recorded.mtime_ns:
+            raise EntryError(f"{path}: modified after it was published")
     return manifest
 
 
-def verify_files(directory: Path, manifest: dict) -> list[str]:
-    """Files whose SHA-256 differs from the manifest's. Reads every byte, one thread per
-    file (hashlib releases the GIL), so a large entry verifies at several GB/s."""
-    names = list(manifest["files"])
-    workers = max(1, min(len(names), os.cpu_count() or 1, 16))
-    with ThreadPoolExecutor(workers, thread_name_prefix="dlo-verify") as pool:
-        digests = pool.map(lambda name: file_sha256(directory / name), names)
-        return [
-            name
-            for name, digest in zip(names, digests, strict=True)
-            if digest != manifest["files"][name]["sha256"]
-        ]
+def file_problems(directory: Path, manifest: Manifest) -> list[str]:
+    """Files whose SHA-256 differs from the manifest's, each as a message naming it."""
+    names = list(manifest.files)
+    digests = files_sha256([directory / name for name in names])
+    return [
+        f"{directory / name}: its SHA-256 differs from the manifest's"
+        for name, digest in zip(names, digests, strict=True)
+        if digest != manifest.files[name].sha256
+    ]
 
 
 class RuntimeCacheEntry:
@@ -222,30 +229,38 @@ class RuntimeCacheEntry:
     registrable = True
     """An entry holds the final tensors in the slots' layout: safe to register."""
 
-    def __init__(self, directory: Path, manifest: dict, on_close: Callable[[], None]) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, on_close: Callable[[], None]) -> None:
+        """Map the files; raises EntryError when a stored tensor is not what the manifest
+        says (its dtype or element count)."""
         self.directory = directory
         self.manifest = manifest
         self._on_close = on_close
         self._views: dict[str, dict[str, torch.Tensor]] | None = {}
         handles = {
-            name: safe_open(str(directory / name), framework="pt") for name in manifest["files"]
+            name: safe_open(str(directory / name), framework="pt") for name in manifest.files
         }
-        for component, stored in manifest["components"].items():
+        for component, stored in manifest.components.items():
             views = self._views.setdefault(component, {})
-            for block in stored["blocks"]:
-                handle = handles[block["file"]]
-                for record in block["dtypes"].values():
-                    flat = handle.get_tensor(record["tensor"])
-                    for param_name, offset, numel, shape in record["spans"]:
-                        views[f"{block['name']}.{param_name}"] = flat[offset : offset + numel].view(
+            for block in stored.blocks:
+                handle = handles[block.file]
+                for dtype_name, record in block.dtypes.items():
+                    flat = _stored(handle, record.tensor, block.file)
+                    if flat.dtype != STORED_DTYPES[dtype_name] or flat.shape != (record.numel,):
+                        raise EntryError(
+                            f"{directory / block.file}: {record.tensor} is {flat.dtype} "
+                            f"{list(flat.shape)}, the manifest records {dtype_name} "
+                            f"[{record.numel}]"
+                        )
+                    for param_name, offset, numel, shape in record.spans:
+                        views[f"{block.name}.{param_name}"] = flat[offset : offset + numel].view(
                             shape
                         )
-            for name, record in stored["others"].items():
-                views[name] = handles[record["file"]].get_tensor(record["tensor"])
+            for name, record in stored.others.items():
+                views[name] = _stored(handles[record.file], record.tensor, record.file)
 
     @property
     def components(self) -> Mapping[str, object]:
-        return self.manifest["components"]
+        return self.manifest.components
 
     @property
     def closed(self) -> bool:
@@ -262,11 +277,43 @@ class RuntimeCacheEntry:
                 f"the runtime-cache entry holds no tensor {component}.{name}"
             ) from None
 
+    def names(self, component: str) -> set[str]:
+        """The state-dict names the entry holds for ``component``."""
+        return set(self._views.get(component, {})) if self._views is not None else set()
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of every tensor the entry maps (what :meth:`content_problem` reads)."""
+        views = self._views or {}
+        return sum(view.nbytes for named in views.values() for view in named.values())
+
+    def content_problem(self, progress: Callable[[int], None] | None = None) -> str | None:
+        """Why the mapped views are not the tensors the key stands for (None if they are):
+        their content digest, re-derived from the bytes the views show, against the one the
+        identity (and so the key) records. Reads every mapped byte once."""
+        if self._views is None:
+            raise HostWeightPlanError("the runtime-cache entry is closed")
+        named_views = [
+            (f"{component}/{name}", view)
+            for component, named in self._views.items()
+            for name, view in named.items()
+        ]
+        if content_digest(named_views, progress) == self.manifest.content_digest:
+            return None
+        return (
+            f"{self.directory}: the tensors its manifest describes do not have the content "
+            "digest its key was made from"
+        )
+
     def matches(self, components: list[tuple[str, nn.Module]]) -> str | None:
         """The first tensor whose mapped bytes differ from ``components``' own (None if all
         equal): a join compares every byte it will stream with what this process loaded."""
         for component, dit in components:
-            for name, tensor in dit.state_dict(keep_vars=True).items():
+            state = dit.state_dict(keep_vars=True)
+            extra = sorted(self.names(component) - set(state))
+            if extra:
+                return f"{component}.{extra[0]} (not a tensor of the loaded model)"
+            for name, tensor in state.items():
                 try:
                     mapped = self.tensor(component, name)
                 except HostWeightPlanError:
@@ -284,12 +331,18 @@ class RuntimeCacheEntry:
             self._on_close()
 
 
-def file_sha256(path: Path, chunk: int = 16 * 2**20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def _stored(handle: object, tensor: str, file_name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(tensor)  # type: ignore[attr-defined]
+    except SafetensorError as error:
+        raise EntryError(f"{file_name} holds no readable tensor {tensor} ({error})") from error
+
+
+def _read_regular(path: Path) -> str:
+    """A regular file's text, never through a symbolic link (``ELOOP`` otherwise)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read().decode()
 
 
 def _packer(block: PackedBlock, dtype: torch.dtype, numel: int) -> Callable[[], torch.Tensor]:
@@ -303,13 +356,6 @@ def _packer(block: PackedBlock, dtype: torch.dtype, numel: int) -> Callable[[], 
         return flat
 
     return pack
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -333,9 +379,8 @@ __all__ = [
     "EntryError",
     "RuntimeCacheEntry",
     "component_layout",
-    "content_digest",
     "entry_nbytes",
+    "file_problems",
     "read_manifest",
-    "verify_files",
     "write_entry",
 ]

@@ -16,8 +16,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-FORMAT_VERSION = 2
-"""Bumped whenever the files or the manifest change shape: old entries then miss."""
+FORMAT_VERSION = 3
+"""Bumped whenever the files, the manifest or a digest change shape: old entries then miss
+(3: the content digest hashes each tensor on its own, :mod:`~dlo_worker.runtime_cache.digest`)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,14 @@ class CacheIdentity:
     @property
     def key(self) -> str:
         """The entry's directory name: a SHA-256 of the canonical identity."""
-        canonical = json.dumps(self.as_json(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()[:40]
+        return identity_key(self.as_json())
+
+
+def identity_key(identity: dict) -> str:
+    """The key of an identity in its JSON form (:meth:`CacheIdentity.as_json`), so a
+    manifest's recorded identity can be checked against the key it is filed under."""
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:40]
 
 
 def canonical_config(config: dict) -> str:

@@ -1,0 +1,98 @@
+"""The runtime cache as a user drives it: ``dlo-worker generate`` with the cache flags, the
+``cache`` commands, and the outside world's part (another process holding a lock, a small
+or read-only file system in a private mount namespace)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.generate import ENV, generate_argv
+
+SEED = 11
+CACHE_FLAGS = ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather")
+KEY = re.compile(r'msg="runtime cache attached" key=(?P<key>[0-9a-f]{40}) result=(?P<result>\w+)')
+
+
+def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
+    return generate_argv(
+        model,
+        out,
+        SEED,
+        *CACHE_FLAGS,
+        "--dlo-enable-runtime-cache",
+        "--dlo-runtime-cache-root",
+        str(root),
+        *flags,
+    )
+
+
+def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
+    """Generate with the runtime cache; returns the log (stderr)."""
+    result = subprocess.run(
+        cached_argv(model, out, root, *flags), env=ENV, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+def attached(log: str) -> tuple[str, str]:
+    match = KEY.search(log)
+    assert match, log
+    return match["key"], match["result"]
+
+
+def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dlo_worker", "cache", *arguments],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def hold_lock(path: Path, mode: str = "LOCK_EX") -> subprocess.Popen:
+    """Another process that holds a ``flock`` on ``path`` until killed: exclusive (a builder)
+    or ``LOCK_SH`` (a process that maps the entry)."""
+    code = (
+        "import fcntl, os, time\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+        f"fcntl.flock(fd, fcntl.{mode})\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def in_private_mount(
+    root: Path, mount_options: str, argv: list[str], setup: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` with ``root`` a fresh tmpfs mounted with ``mount_options`` (a private
+    mount namespace: nothing outside the process sees it), after the shell commands
+    ``setup`` ran on it (``"$1"`` is the root; e.g. fill it, then remount it read-only)."""
+    root.mkdir(parents=True, exist_ok=True)
+    prepare = f"{setup} && " if setup else ""
+    script = f'mount -t tmpfs -o {mount_options} tmpfs "$1" && {prepare}shift && exec "$@"'
+    return subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            str(root),
+            *argv,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
