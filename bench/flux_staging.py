@@ -171,7 +171,7 @@ def cache_entry_runs(
     warm page cache) and staged, each from a fresh meta skeleton bound to the entry."""
     from diffusers import FluxTransformer2DModel
 
-    from dlo_worker.loader.diffusers_loader import _bind_to_entry, _skeleton
+    from dlo_worker.loader.components import diffusers_skeleton
     from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
     from dlo_worker.runtime_cache import CacheRequest, attach_runtime_cache
     from dlo_worker.runtime_cache.entry import RuntimeCacheEntry, read_manifest
@@ -197,9 +197,8 @@ def cache_entry_runs(
         memory_before = (cgroup_memory_bytes(), pinned_kib())
         started = time.perf_counter()
         entry = RuntimeCacheEntry(entry_dir, read_manifest(entry_dir, built.key), lambda: None)
-        skeleton = _bind_to_entry(
-            _skeleton(FluxTransformer2DModel, directory, torch.bfloat16), entry, "model"
-        )
+        # Flux keeps no module in float32: the skeleton's dtypes are the entry's.
+        skeleton = diffusers_skeleton(FluxTransformer2DModel, directory, torch.bfloat16)
         backend = DistributedLayerwiseOffloadBackend(
             OffloadConfig(
                 use_allgather=False,

@@ -98,7 +98,7 @@ def main() -> None:
 
     from diffusers import FluxTransformer2DModel
 
-    from dlo_worker.loader.diffusers_loader import _bind_to_entry, _skeleton
+    from dlo_worker.loader.components import diffusers_skeleton
     from dlo_worker.memory import mapped_file_memory, process_memory
     from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, enable_dlo
     from dlo_worker.runtime_cache.entry import RuntimeCacheEntry, read_manifest
@@ -128,9 +128,8 @@ def main() -> None:
 
         started = time.perf_counter()
         entry = RuntimeCacheEntry(entry_dir, read_manifest(entry_dir, key), lambda: None)
-        skeleton = _bind_to_entry(
-            _skeleton(FluxTransformer2DModel, root / "config", torch.bfloat16), entry, "model"
-        )
+        # Flux keeps no module in float32: the skeleton's dtypes are the entry's.
+        skeleton = diffusers_skeleton(FluxTransformer2DModel, root / "config", torch.bfloat16)
         backend = DistributedLayerwiseOffloadBackend(
             OffloadConfig(use_allgather=False, host_registration_budget_bytes=2**40),
             device,

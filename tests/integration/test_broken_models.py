@@ -4,19 +4,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.checkpoints import copy_pipeline
-from tests.support.generate import ENV, generate_argv
+from tests.support.generate import ENV, generate_argv, generate_command
 
 
-def _generate(model: Path, out: Path) -> subprocess.CompletedProcess[str]:
+def _generate(model: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        generate_argv(model, out, 0), env=ENV, capture_output=True, text=True, check=False
+        generate_argv(model, out, 0, *flags), env=ENV, capture_output=True, text=True, check=False
     )
 
 
@@ -114,4 +117,205 @@ def test_an_image_that_overflows_exits_1_instead_of_writing_a_black_png(
     assert "the decoded image holds" in result.stderr
     assert "NaN or infinite" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def _generate_flux(model: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "dlo_worker",
+        *generate_command(model, out, 0, "--prompt", "a cat", "--width", "64", "--height", "64"),
+        *flags,
+    ]
+    return subprocess.run(argv, env=ENV, capture_output=True, text=True, check=False)
+
+
+def _remove(relative: str) -> Callable[[Path], Path]:
+    def remove(model: Path) -> Path:
+        path = model / relative
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        return path.parent if path.name == "tokenizer.json" else path
+
+    return remove
+
+
+def _truncate(relative: str) -> Callable[[Path], Path]:
+    def truncate(model: Path) -> Path:
+        path = model / relative
+        path.write_bytes(path.read_bytes()[:-100])
+        return path
+
+    return truncate
+
+
+def _break_json(relative: str) -> Callable[[Path], Path]:
+    def damage(model: Path) -> Path:
+        path = model / relative
+        path.write_text(path.read_text()[: len(path.read_text()) // 2])
+        return path.parent
+
+    return damage
+
+
+def _edit_json(relative: str, change: Callable[[dict], None], named: str) -> Callable[[Path], Path]:
+    def edit(model: Path) -> Path:
+        path = model / relative
+        value = json.loads(path.read_text())
+        change(value)
+        path.write_text(json.dumps(value))
+        return model / named
+
+    return edit
+
+
+def _rename_class(index: dict) -> None:
+    index["text_encoder"] = ["transformers", "CLIPTextModelThatDoesNotExist"]
+
+
+def _rename_pipeline(index: dict) -> None:
+    index["_class_name"] = "FluxPipelineThatDoesNotExist"
+
+
+def _bad_scheduler(config: dict) -> None:
+    config["num_train_timesteps"] = -5
+
+
+def _tokenizer_of_a_larger_vocabulary(model: Path) -> Path:
+    """A CLIP tokenizer with a token beyond the CLIP encoder's embedding (a tokenizer of
+    another model: its ids index past the table, or wrap into other tokens)."""
+    path = model / "tokenizer" / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    tokenizer["model"]["vocab"]["zzzz</w>"] = 9999
+    path.write_text(json.dumps(tokenizer))
+    return model / "tokenizer"
+
+
+FLUX_CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
+    # Each loaded a fallback or garbled component and generated (exit 0), or ended in a
+    # traceback that did not name the file.
+    "tokenizer-json-missing": (_remove("tokenizer/tokenizer.json"), "loaded no vocabulary"),
+    "tokenizer-2-missing": (_remove("tokenizer_2"), "the component model_index.json names"),
+    "tokenizer-json-broken": (_break_json("tokenizer/tokenizer.json"), "cannot load"),
+    "tokenizer-of-another-model": (_tokenizer_of_a_larger_vocabulary, "ids up to 9999"),
+    "text-encoder-truncated": (_truncate("text_encoder/model.safetensors"), "truncated"),
+    "text-encoder-config-missing": (_remove("text_encoder/config.json"), "missing"),
+    "unknown-component-class": (
+        _edit_json("model_index.json", _rename_class, "model_index.json"),
+        "CLIPTextModelThatDoesNotExist",
+    ),
+    "unknown-pipeline-class": (
+        _edit_json("model_index.json", _rename_pipeline, "model_index.json"),
+        "FluxPipelineThatDoesNotExist",
+    ),
+    "bad-scheduler-config": (
+        _edit_json("scheduler/scheduler_config.json", _bad_scheduler, "scheduler"),
+        "scheduler_config.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FLUX_CASES)
+def test_a_broken_component_exits_2_naming_it_before_any_weight_loads(
+    flux_model_dir: Path, tmp_path: Path, case: str
+) -> None:
+    breaks, says = FLUX_CASES[case]
+    model = copy_pipeline(flux_model_dir, tmp_path / "model")
+    named = breaks(model)
+    result = _generate_flux(model, tmp_path / "x.png")
+    assert result.returncode == 2, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("dlo-worker generate:")]
+    assert str(named) in line, line
+    assert says in line, line
+    assert "Traceback" not in result.stderr
+    assert "Loading pipeline components" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def _store_as(dtype: torch.dtype) -> Callable[[Path], Path]:
+    def store(model: Path) -> Path:
+        from safetensors.torch import load_file, save_file
+
+        path = model / "transformer" / "diffusion_pytorch_model.safetensors"
+        state = load_file(path)
+        key = next(
+            k for k in sorted(state) if k.startswith("transformer_blocks.0.") and "weight" in k
+        )
+        state[key] = state[key].to(dtype)
+        save_file(state, path, metadata={"format": "pt"})
+        return path
+
+    return store
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.bool, torch.float8_e4m3fn], ids=["int32", "bool", "float8"]
+)
+@pytest.mark.parametrize("dlo", [False, True], ids=["resident", "dlo"])
+def test_dit_weights_stored_in_a_dtype_the_model_cannot_run_are_refused(
+    demo_model_dir: Path, tmp_path: Path, dtype: torch.dtype, dlo: bool
+) -> None:
+    model = copy_pipeline(demo_model_dir, tmp_path / "model")
+    named = _store_as(dtype)(model)
+    flags = ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather") if dlo else ()
+    result = subprocess.run(
+        generate_argv(model, tmp_path / "x.png", 0, *flags),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"{named}: " in result.stderr
+    assert str(dtype).removeprefix("torch.") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather"),
+        ("--enable-distributed-layerwise-offload",),
+    ],
+    ids=["dlo-rank-local", "dlo-allgather-world-1"],
+)
+def test_non_finite_weights_of_a_checkpoint_mapped_dit_exit_2_before_any_image(
+    demo_model_dir: Path, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """Caught resident, but not when the DiT streams from its checkpoint mapping: every
+    request then failed (exit 1; serve ready and answering 500 forever)."""
+    model = copy_pipeline(demo_model_dir, tmp_path / "model")
+    _fill_block(model, float("inf"))
+    result = _generate(model, tmp_path / "x.png", *flags)
+    assert "host backing" not in result.stdout
+    assert result.returncode == 2, result.stderr
+    assert f"{model / 'transformer'}: " in result.stderr
+    assert "hold NaN or infinity (first: 'transformer_blocks.3." in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def _nan_in_vae(model: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    path = model / "vae" / "diffusion_pytorch_model.safetensors"
+    state = load_file(path)
+    key = next(k for k in sorted(state) if k.startswith("decoder.") and k.endswith("weight"))
+    state[key][0] = float("nan")
+    save_file(state, path, metadata={"format": "pt"})
+    return model / "vae"
+
+
+def test_non_finite_weights_of_any_component_exit_2_naming_it(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    model = copy_pipeline(demo_model_dir, tmp_path / "model")
+    named = _nan_in_vae(model)
+    result = _generate(model, tmp_path / "x.png")
+    assert result.returncode == 2, result.stderr
+    assert f"{named}: 1 parameter(s) hold NaN or infinity (first: 'decoder." in result.stderr
     assert not (tmp_path / "x.png").exists()

@@ -419,3 +419,21 @@ def test_the_size_budget_counts_every_byte_on_disk(
             assert "reason=cache-budget" in log
             assert published == []
         assert list((root / "tmp").iterdir()) == []
+
+
+@ROOT_NEEDED
+def test_a_read_only_root_still_serves_a_verified_skip_load_hit(
+    mixed_model: Path, resident_digest: str, warm_root: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``required`` on a read-only root said "no entry recorded" next to a warm entry: the
+    locks were opened for writing. Locks need no write access, and verifying none."""
+    source, key = warm_root
+    root = tmp_path / "ro"
+    setup = f'cp -a {source}/. "$1" && mount -o remount,ro "$1"'
+    argv = cached_argv(
+        mixed_model, tmp_path / "a.png", root, "--dlo-runtime-cache-skip-load", "required"
+    )
+    result = in_private_mount(root, "size=64m", argv, setup)
+    assert result.returncode == 0, result.stderr
+    assert attached(result.stderr) == (key, "hit")
+    assert digest(tmp_path / "a.png") == resident_digest

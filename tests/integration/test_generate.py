@@ -171,4 +171,25 @@ def test_requests_the_model_cannot_take_exit_2(
     assert result.returncode == 2, result.stderr
     assert says in result.stderr
     assert "Traceback" not in result.stderr
+    assert "Loading pipeline components" not in result.stderr  # refused before loading
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--width", "100"), "width: 100 is not a multiple of 8"),
+        (("--height", "4096"), "height: 4096 is not a multiple of 8 from 8 to 1024"),
+        (("--class-label", "3"), "class_label: FluxPipeline is conditioned on a prompt"),
+    ],
+    ids=["width-not-a-patch-multiple", "height-too-large", "class-label-on-flux"],
+)
+def test_sizes_and_fields_are_checked_before_the_weights_load(
+    flux_model_dir: Path, tmp_path: Path, flags: tuple[str, ...], says: str
+) -> None:
+    """Sizes were validated only after the model loaded (minutes for a large one)."""
+    result = generate(flux_model_dir, tmp_path / "x.png", "--prompt", "a cat", *flags)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr
+    assert "Loading pipeline components" not in result.stderr
+    assert "Traceback" not in result.stderr

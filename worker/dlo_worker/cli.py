@@ -36,6 +36,8 @@ from dlo_worker.errors import UserFixableError
 from dlo_worker.requests import GenerationRequest
 
 if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
     from dlo_worker.runtime_cache.store import RuntimeCacheStore
 
 logger = logging.getLogger("dlo_worker.cli")
@@ -219,10 +221,13 @@ def _command_generate(args: argparse.Namespace) -> int:
     from dlo_worker.requests import request_problems
     from dlo_worker.worker import Worker
 
-    with Worker(config) as worker:
-        limits = request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
+    def check_request(pipeline: DiffusionPipeline) -> None:
+        """Before the weights load: the request is one this pipeline can take."""
+        limits = request_limits(pipeline, config.parallel.sequence_parallel_size)
         if problems := request_problems(request, limits):
             raise UsageError("; ".join(problems))
+
+    with Worker(config, check_pipeline=check_request) as worker:
         rank = worker.topology.coordinates.data_parallel_rank
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
         rank_request = request.model_copy(update={"seed": request.seed + rank})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,10 +49,17 @@ def _exit_on_sigterm(signum: int, _frame: types.FrameType | None) -> None:
 class Worker:
     """Owns the topology, the pipeline and the offload backend of one process."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        check_pipeline: Callable[[DiffusionPipeline], None] | None = None,
+    ) -> None:
+        """``check_pipeline`` sees the pipeline before its weights load (its meta skeleton;
+        see :meth:`DiffusersPipelineLoader.load`), e.g. to refuse a request it cannot take."""
         if config.model.model is None:
             raise ValueError("--model is required")
         self.config = config
+        self._check_pipeline = check_pipeline
         self.device = resolve_device(config.model)
         self.dtype = resolve_dtype(config.model, self.device)
         self.topology = Topology()
@@ -85,7 +93,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
         loader = DiffusersPipelineLoader(self.config, dtype=self.dtype, device=self.device)
-        self.pipeline = loader.load()
+        self.pipeline = loader.load(self._check_pipeline)
         self.backing = loader.decision
         plan = loader.take_host_weight_plan()
         if self.config.model.quantization == Quantization.FP8:

@@ -21,6 +21,8 @@ from dlo_worker.errors import UserFixableError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = f"{WEIGHTS_NAME}.index.json"
+TRANSFORMERS_WEIGHTS_NAME = "model.safetensors"
+"""What transformers names a model's checkpoint (text encoders)."""
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -38,8 +40,33 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+RUNNABLE_FLOAT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+"""What a floating parameter may be stored as: the loader converts among these exactly
+enough to run. Integers, booleans and float8 without a quantization config are not
+weights the model can run (they load, converted, as garbage)."""
+
+
 class CheckpointError(ValueError, UserFixableError):
     """The checkpoint is corrupt or inconsistent; the message names the file and the fix."""
+
+
+def dtype_problem(stored: torch.dtype, runtime: torch.dtype) -> str | None:
+    """Why a tensor stored as ``stored`` cannot load into a runtime tensor of ``runtime``."""
+    if runtime.is_floating_point:
+        if stored in RUNNABLE_FLOAT_DTYPES:
+            return None
+        return (
+            f"is stored as {_name(stored)}, but a floating parameter loads only from float32, "
+            "bfloat16, float16 or float64 (for FP8 streaming use --quantization fp8 on a "
+            "bfloat16 checkpoint); the checkpoint is damaged or of another format"
+        )
+    if stored.is_floating_point or (stored == torch.bool) != (runtime == torch.bool):
+        return f"is stored as {_name(stored)} where the model keeps {_name(runtime)}"
+    return None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -76,13 +103,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def read_checkpoint_index(component_dir: Path) -> CheckpointIndex | None:
-    """The component's safetensors checkpoint, or None when it has none (another format).
+def read_checkpoint_index(
+    component_dir: Path, weights_name: str = WEIGHTS_NAME
+) -> CheckpointIndex | None:
+    """The component's safetensors checkpoint (``weights_name``, or the shards its
+    ``.index.json`` names), or None when it has none (another format).
 
     Raises :class:`CheckpointError` for anything corrupt or inconsistent.
     """
-    index_path = component_dir / INDEX_NAME
-    single_path = component_dir / WEIGHTS_NAME
+    index_path = component_dir / f"{weights_name}.index.json"
+    single_path = component_dir / weights_name
     if index_path.is_file():
         expected = _read_index(index_path)
         files = tuple(sorted({component_dir / name for name in expected.values()}))

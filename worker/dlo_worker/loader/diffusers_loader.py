@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,8 @@ from dlo_worker.diffusers_offload import stays_on_host
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
+from dlo_worker.loader.components import diffusers_skeleton, inspect_pipeline
+from dlo_worker.loader.finite import check_finite, check_finite_parameters
 from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
 from dlo_worker.loader.model_directory import (
     check_model_directory,
@@ -102,8 +105,16 @@ class DiffusersPipelineLoader:
         plan, self._plan = self._plan, None
         return plan
 
-    def load(self) -> DiffusionPipeline:
-        """Load every component; DiTs per their preflight outcome (see the module docstring)."""
+    def load(
+        self, check_pipeline: Callable[[DiffusionPipeline], None] | None = None
+    ) -> DiffusionPipeline:
+        """Load every component; DiTs per their preflight outcome (see the module docstring).
+
+        Every component is checked first (:func:`~dlo_worker.loader.components.inspect_pipeline`)
+        and ``check_pipeline`` sees the pipeline's meta skeleton before any weight is read
+        (or, for a pipeline that cannot be built so, the loaded pipeline); every loaded
+        component's parameters, and a checkpoint-mapped DiT's, must be finite.
+        """
         from diffusers import DiffusionPipeline
 
         if self._loaded:
@@ -111,18 +122,26 @@ class DiffusersPipelineLoader:
         self._loaded = True
         quiet_diffusers_handlers()
         check_model_directory(self.model_dir)
+        inspection = inspect_pipeline(self.model_dir, self.dtype)
+        if check_pipeline is not None and inspection.meta_pipeline is not None:
+            check_pipeline(inspection.meta_pipeline)
         started = time.perf_counter()
         classes = dit_classes(self.model_dir, DIT_COMPONENTS)
         source = self._cache_source(classes) if self._uses_runtime_cache() else None
         hit = self._skip_load(source)
         prepared = self._prepare_dits(classes, hit, source)
         pipeline = DiffusionPipeline.from_pretrained(
-            str(self.model_dir), dtype=self.dtype, local_files_only=True, **prepared.prebuilt
+            str(self.model_dir),
+            dtype=self.dtype,
+            local_files_only=True,
+            **inspection.loaded,
+            **prepared.prebuilt,
         )
+        if check_pipeline is not None and inspection.meta_pipeline is None:
+            check_pipeline(pipeline)
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module) and name not in prepared.bound:
-                if name in DIT_COMPONENTS:
-                    check_finite_parameters(self.model_dir / name, component)
+                check_finite_parameters(self.model_dir / name, component)
                 on_host = (self.streams_dit and name in DIT_COMPONENTS) or stays_on_host(
                     self.policy, name, DIT_COMPONENTS
                 )
@@ -183,7 +202,13 @@ class DiffusersPipelineLoader:
             self._plan = hit.entry
             return HostBacking.RUNTIME_CACHE
         if prepared.planned:
-            self._plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, prepared.planned)
+            plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, prepared.planned)
+            try:
+                _check_mapped_finite(self.model_dir, plan, prepared)
+            except BaseException:
+                plan.close()
+                raise
+            self._plan = plan
             return HostBacking.CHECKPOINT_MMAP
         if not self._uses_runtime_cache():
             return HostBacking.ORDINARY
@@ -214,7 +239,7 @@ class DiffusersPipelineLoader:
             checkpoint = read_checkpoint_index(component_dir)
             if model_class is None or checkpoint is None:
                 return None
-            skeleton = _skeleton(model_class, component_dir, self.dtype)
+            skeleton = diffusers_skeleton(model_class, component_dir, self.dtype)
             resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
             adapters[component] = resolution.adapters if resolution.complete else ()
             components[component] = component_source(
@@ -347,7 +372,7 @@ def prepare_dit(
     if checkpoint is None:
         refused = Rejection("format", "no safetensors checkpoint")
         return PreparedDiT(None, None, _report_fallback(component, refused, streams_dit))
-    skeleton = _skeleton(model_class, component_dir, dtype)
+    skeleton = diffusers_skeleton(model_class, component_dir, dtype)
     if streams_dit:
         # Block discovery on the meta model: a DiT DLO cannot stream fails before any
         # weight is read (DiscoveryError names the fix).
@@ -378,24 +403,14 @@ def prepare_dit(
     return PreparedDiT(None, None, reason)
 
 
-class NonFiniteWeightsError(ValueError, UserFixableError):
-    """A DiT's loaded parameters hold NaN or infinity."""
-
-
-def check_finite_parameters(component_dir: Path, module: nn.Module) -> None:
-    """Refuse a DiT whose loaded parameters hold NaN or infinity (fatal: every image would
-    be NaN, i.e. black). Buffers are not checked: masks legitimately hold -inf. DiTs bound
-    to a checkpoint mapping are not read here (that would read the whole checkpoint at
-    start); their images are still checked for NaN when generated."""
-    bad = [
-        name
-        for name, parameter in module.named_parameters()
-        if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all())
-    ]
-    if bad:
-        raise NonFiniteWeightsError(
-            f"{component_dir}: {len(bad)} parameter(s) hold NaN or infinity (first: "
-            f"{bad[0]!r}); the weights are corrupt: copy them again"
+def _check_mapped_finite(model_dir: Path, plan: HostWeightPlan, prepared: PreparedDiTs) -> None:
+    """A DiT bound to its checkpoint was never loaded, so nothing else read its weights
+    yet: scan its parameters through the mapping (the only read at start; it also fills
+    the page cache the first step streams from)."""
+    for component in plan.components:
+        parameters = [name for name, _ in prepared.prebuilt[component].named_parameters()]
+        check_finite(
+            model_dir / component, ((name, plan.tensor(component, name)) for name in parameters)
         )
 
 
@@ -423,35 +438,6 @@ def check_config_matches_weights(
             "and the checkpoint disagree (e.g. num_layers): fix config.json or copy the "
             "matching weights"
         )
-
-
-def _skeleton(model_class: type, component_dir: Path, dtype: torch.dtype) -> nn.Module:
-    """The DiT with meta parameters (no weight memory); buffers keep their init values."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights():
-        model = model_class.from_config(model_class.load_config(str(component_dir)))
-    _cast_state_like_from_pretrained(model, dtype)
-    return model.eval()
-
-
-def _cast_state_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> None:
-    """Give floating parameters and persistent buffers ``dtype``, as diffusers' loader does
-    while loading the state dict; non-persistent buffers keep their constructed dtype."""
-    persistent = set(model.state_dict(keep_vars=True))
-    cast: dict[int, nn.Parameter] = {}
-    for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, parameter in module._parameters.items():
-            if parameter is not None and parameter.is_floating_point():
-                if id(parameter) not in cast:
-                    cast[id(parameter)] = nn.Parameter(
-                        parameter.to(dtype), requires_grad=parameter.requires_grad
-                    )
-                module._parameters[name] = cast[id(parameter)]
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point() and prefix + name in persistent:
-                module._buffers[name] = buffer.to(dtype)
 
 
 def _report_fallback(component: str, refused: Rejection, streams_dit: bool) -> str:

@@ -9,12 +9,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dlo_worker.errors import UserFixableError
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +45,30 @@ def check_model_directory(model_dir: Path) -> str:
         raise ModelDirectoryError(
             f"--model {model_dir}: model_index.json has no '_class_name' naming the pipeline"
         )
-    for component, entry in index.items():
-        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers":
+    for component, (library, _) in listed_components(index).items():
+        if library == "diffusers":
             check_diffusers_component(model_dir / component)
+        else:
+            check_other_component(model_dir / component)
     return class_name
 
 
+def listed_components(index: dict) -> dict[str, tuple[str, str]]:
+    """``name -> (library, class)`` of every component ``model_index.json`` lists (entries
+    ``[null, null]`` are absent components)."""
+    return {
+        name: (entry[0], entry[1])
+        for name, entry in index.items()
+        if not name.startswith("_")
+        and isinstance(entry, list)
+        and len(entry) == 2
+        and isinstance(entry[0], str)
+        and isinstance(entry[1], str)
+    }
+
+
 _WEIGHTS = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json")
+_TRANSFORMERS_WEIGHTS = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json")
 _OTHER_WEIGHTS = ("diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
 
 
@@ -72,18 +85,40 @@ def dit_classes(model_dir: Path, components: tuple[str, ...]) -> dict[str, str]:
     }
 
 
-def check_diffusers_component(directory: Path) -> None:
-    """One diffusers component of the pipeline: a scheduler's config, or a model's
-    ``config.json`` and weights, every safetensors file whole. Reads headers only."""
+def _check_present(directory: Path) -> None:
     if not directory.is_dir():
         raise ModelDirectoryError(
             f"{directory}: the component model_index.json names is missing; copy the complete "
             "pipeline directory again"
         )
-    if (directory / "scheduler_config.json").is_file():
-        _read_json_object(directory / "scheduler_config.json")
+
+
+def check_other_component(directory: Path) -> None:
+    """A component of another library (transformers' text encoders and tokenizers): the
+    directory exists, and a model's (it has a ``config.json``) weights are present and
+    every safetensors file whole. Whether the class needs a ``config.json`` is known once
+    the class is (:mod:`dlo_worker.loader.components`)."""
+    _check_present(directory)
+    if not (directory / "config.json").is_file():
         return
-    _read_json_object(directory / "config.json")
+    read_json_object(directory / "config.json")
+    if not any(any(directory.glob(pattern)) for pattern in _TRANSFORMERS_WEIGHTS):
+        raise ModelDirectoryError(
+            f"{directory}: no weights (model.safetensors or a shard index); copy the complete "
+            "pipeline directory again"
+        )
+    for weights in sorted(directory.glob("*.safetensors")):
+        check_safetensors_file(weights)
+
+
+def check_diffusers_component(directory: Path) -> None:
+    """One diffusers component of the pipeline: a scheduler's config, or a model's
+    ``config.json`` and weights, every safetensors file whole. Reads headers only."""
+    _check_present(directory)
+    if (directory / "scheduler_config.json").is_file():
+        read_json_object(directory / "scheduler_config.json")
+        return
+    read_json_object(directory / "config.json")
     if not any((directory / name).is_file() for name in (*_WEIGHTS, *_OTHER_WEIGHTS)):
         raise ModelDirectoryError(
             f"{directory}: no weights ({_WEIGHTS[0]} or a shard index); copy the complete "
@@ -117,7 +152,8 @@ def check_safetensors_file(path: Path) -> None:
         )
 
 
-def _read_json_object(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``, or :class:`ModelDirectoryError` naming the file."""
     try:
         value = json.loads(path.read_text())
     except FileNotFoundError:

@@ -5,7 +5,8 @@ Pure functions over headers and runtime shapes; nothing is read or materialized 
 rule, then the adapters); :func:`rejection` says why a resolution cannot back a
 checkpoint plan, or nothing when it can. A rejection is a fallback to ordinary
 loading, decided before anything is skipped. A shape that contradicts the model's
-own config is corruption, not a fallback: :class:`CheckpointError`.
+own config, or a dtype the model cannot run (an integer, boolean or float8 tensor for a
+floating parameter), is corruption, not a fallback: :class:`CheckpointError`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from dataclasses import dataclass, field
 
 from dlo_worker.config import HostBacking, WorkerConfig
 from dlo_worker.loader.adapters import ADAPTERS, CheckpointAdapter, Source, TensorSpec
-from dlo_worker.loader.checkpoint import CheckpointError, CheckpointIndex, CheckpointTensor
+from dlo_worker.loader.checkpoint import (
+    CheckpointError,
+    CheckpointIndex,
+    CheckpointTensor,
+    dtype_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,10 @@ def resolve_sources(
             continue
         (source,) = candidates
         tensor = checkpoint.tensors[source.key]
+        if (problem := dtype_problem(tensor.dtype, spec.dtype)) is not None:
+            raise CheckpointError(
+                f"{tensor.file}: {source.key!r} {problem} ({name!r} of the model)"
+            )
         if _source_shape(source, tensor) != spec.shape:
             raise CheckpointError(
                 f"{tensor.file}: {source.key!r} has shape {list(tensor.shape)} but the model's "
