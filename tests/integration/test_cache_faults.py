@@ -16,9 +16,9 @@ import pytest
 
 from tests.support.generate import ENV, digest
 from tests.support.runtime_cache import (
-    CACHE_FLAGS,
     attached,
     cache_cli,
+    cache_warm,
     cached_argv,
     hold_lock,
     in_private_mount,
@@ -32,17 +32,7 @@ ROOT_NEEDED = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs nee
 def warm_root(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A cache root holding one entry built by ``cache warm`` (copy it before changing it)."""
     root = tmp_path_factory.mktemp("warm") / "cache"
-    warm = cache_cli(
-        "warm",
-        "--model",
-        str(mixed_model),
-        "--device",
-        "cpu",
-        *CACHE_FLAGS,
-        "--dlo-enable-runtime-cache",
-        "--dlo-runtime-cache-root",
-        str(root),
-    )
+    warm = cache_warm(mixed_model, root)
     assert warm.returncode == 0, warm.stderr
     return root, json.loads(warm.stdout)["key"]
 

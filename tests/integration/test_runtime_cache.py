@@ -24,6 +24,7 @@ from tests.support.runtime_cache import (
     SEED,
     attached,
     cache_cli,
+    cache_warm,
     cached_argv,
     hold_lock,
     in_private_mount,
@@ -289,17 +290,7 @@ def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
 
 def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    warm = cache_cli(
-        "warm",
-        "--model",
-        str(mixed_model),
-        "--device",
-        "cpu",
-        *CACHE_FLAGS,
-        "--dlo-enable-runtime-cache",
-        "--dlo-runtime-cache-root",
-        str(root),
-    )
+    warm = cache_warm(mixed_model, root)
     assert warm.returncode == 0, warm.stderr
     report = json.loads(warm.stdout)
     assert report["result"] == "built"

@@ -54,6 +54,21 @@ def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def cache_warm(model: Path, root: Path) -> subprocess.CompletedProcess[str]:
+    """``dlo-worker cache warm`` with the cache flags, as a per-node warm Job runs it."""
+    return cache_cli(
+        "warm",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        *CACHE_FLAGS,
+        "--dlo-enable-runtime-cache",
+        "--dlo-runtime-cache-root",
+        str(root),
+    )
+
+
 def hold_lock(path: Path, mode: str = "LOCK_EX") -> subprocess.Popen:
     """Another process that holds a ``flock`` on ``path`` until killed: exclusive (a builder)
     or ``LOCK_SH`` (a process that maps the entry)."""

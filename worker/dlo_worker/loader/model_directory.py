@@ -102,13 +102,8 @@ def check_other_component(directory: Path) -> None:
     if not (directory / "config.json").is_file():
         return
     read_json_object(directory / "config.json")
-    if not any(any(directory.glob(pattern)) for pattern in _TRANSFORMERS_WEIGHTS):
-        raise ModelDirectoryError(
-            f"{directory}: no weights (model.safetensors or a shard index); copy the complete "
-            "pipeline directory again"
-        )
-    for weights in sorted(directory.glob("*.safetensors")):
-        check_safetensors_file(weights)
+    found = any(any(directory.glob(pattern)) for pattern in _TRANSFORMERS_WEIGHTS)
+    _check_weights(directory, found, "model.safetensors")
 
 
 def check_diffusers_component(directory: Path) -> None:
@@ -119,9 +114,15 @@ def check_diffusers_component(directory: Path) -> None:
         read_json_object(directory / "scheduler_config.json")
         return
     read_json_object(directory / "config.json")
-    if not any((directory / name).is_file() for name in (*_WEIGHTS, *_OTHER_WEIGHTS)):
+    found = any((directory / name).is_file() for name in (*_WEIGHTS, *_OTHER_WEIGHTS))
+    _check_weights(directory, found, _WEIGHTS[0])
+
+
+def _check_weights(directory: Path, found: bool, expected: str) -> None:
+    """A model's weights are there (``found``), and every safetensors file is whole."""
+    if not found:
         raise ModelDirectoryError(
-            f"{directory}: no weights ({_WEIGHTS[0]} or a shard index); copy the complete "
+            f"{directory}: no weights ({expected} or a shard index); copy the complete "
             "pipeline directory again"
         )
     for weights in sorted(directory.glob("*.safetensors")):

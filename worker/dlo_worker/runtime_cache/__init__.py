@@ -127,23 +127,10 @@ def entry_for_source(
     """
     started = time.perf_counter()
     store = RuntimeCacheStore(request.root, request.lock_timeout, request.size_budget_bytes)
-    try:
-        store.prepare()
-        key = store.lookup_source(source)
-        if key is None:
-            return SkipLoadLookup(
-                None, None, f"no runtime-cache entry is recorded under {request.root}"
-            )
-        entry = store.open(key)
-    except CacheFallbackError as error:
-        logger.warning(
-            "runtime cache skip-load missed",
-            extra={"fields": {"source": source, "why": str(error)}},
-        )
-        return SkipLoadLookup(None, None, str(error))
-    except EntryError as error:
-        _quarantine(store, key, str(error))
-        return SkipLoadLookup(None, None, f"{error}; quarantined")
+    found = _recorded_entry(store, source)
+    if isinstance(found, str):
+        return SkipLoadLookup(None, None, found)
+    entry, key = found, found.directory.name
     foreign, corrupt = _bind_all(entry, skeletons, request)
     if foreign is not None:
         entry.close()
@@ -171,6 +158,28 @@ def entry_for_source(
     )
     report = CacheReport("hit", key, directory_bytes(entry.directory), seconds, "")
     return SkipLoadLookup(entry, report, "")
+
+
+def _recorded_entry(store: RuntimeCacheStore, source: str) -> RuntimeCacheEntry | str:
+    """The mapped entry recorded for ``source`` (its manifest checked), or why there is
+    none; an entry that fails its checks is quarantined."""
+    try:
+        store.prepare()
+        key = store.lookup_source(source)
+        if key is None:
+            return f"no runtime-cache entry is recorded for this model under {store.root}"
+        if not store.entry(key).is_dir():
+            return f"the entry recorded for this model ({key}) was evicted or removed"
+        return store.open(key)
+    except CacheFallbackError as error:
+        logger.warning(
+            "runtime cache skip-load missed",
+            extra={"fields": {"source": source, "why": str(error)}},
+        )
+        return str(error)
+    except EntryError as error:
+        _quarantine(store, key, str(error))
+        return f"{error}; quarantined"
 
 
 def _quarantine(store: RuntimeCacheStore, key: str, why: str) -> None:
