@@ -427,3 +427,22 @@ def test_a_read_only_root_still_serves_a_verified_skip_load_hit(
     assert result.returncode == 0, result.stderr
     assert attached(result.stderr) == (key, "hit")
     assert digest(tmp_path / "a.png") == resident_digest
+
+
+def test_required_says_when_the_recorded_entry_was_removed(
+    mixed_model: Path, cache_root: tuple[Path, str], tmp_path: Path
+) -> None:
+    root, key = cache_root
+    assert cache_cli("rm", "--root", str(root), key).returncode == 0
+    required = subprocess.run(
+        cached_argv(
+            mixed_model, tmp_path / "r.png", root, "--dlo-runtime-cache-skip-load", "required"
+        ),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert required.returncode == 2, required.stderr
+    assert f"the entry recorded for this model ({key}) was evicted or removed" in required.stderr
+    assert list((root / "quarantine").iterdir()) == []
