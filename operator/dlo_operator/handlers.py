@@ -7,7 +7,8 @@ I/O only: read the object, read its Pods and its other children from kopf's watc
 indexes (no LIST per pass; :mod:`dlo_operator.expectations` covers what the watch has
 not shown yet), call :func:`dlo_operator.reconcile.reconcile`, create, patch and delete
 what it says (409/404 are success: another sync did it), patch status and post the
-Events whose actions took effect. Passes over one deployment run one at a time. Child
+Events whose actions took effect (:mod:`dlo_operator.events`: from kopf's handlers and
+the queue's threads alike). Passes over one deployment run one at a time. Child
 events only queue the deployment (:mod:`dlo_operator.workqueue`): a burst of them costs
 one pass.
 
@@ -35,6 +36,7 @@ from dlo_operator.api import (
     DiffusionDeploymentStatus,
 )
 from dlo_operator.coalesce import Coalescer
+from dlo_operator.events import post_event
 from dlo_operator.expectations import PodExpectations
 from dlo_operator.reconcile import (
     Actions,
@@ -110,12 +112,7 @@ def _post(body: dict[str, Any], events: list[Event], changed: set[str]) -> None:
     for event in events:
         if event.subjects and not changed.intersection(event.subjects):
             continue
-        kopf.event(
-            body,
-            type="Warning" if event.warning else "Normal",
-            reason=event.reason,
-            message=event.message,
-        )
+        post_event(api(), body, event.reason, event.message, warning=event.warning)
 
 
 @dataclass(frozen=True)

@@ -365,6 +365,66 @@ def test_events_are_posted_once_per_transition(api_client, operator, namespace) 
     assert sorted(events(api_client, namespace, "good")) == ["EngineCreated", "EngineCreated"]
 
 
+OUR_EVENTS = {
+    "EngineCreated",
+    "EngineRestart",
+    "EngineUpdate",
+    "RollingUpdate",
+    "RollingUpdateComplete",
+    "ScaledDown",
+    "InvalidSpec",
+}
+
+
+def test_restarts_and_rolls_post_their_events_once_also_from_queued_passes(
+    api_client, operator, namespace
+) -> None:
+    """A Pod event queues a pass that runs on the operator's own threads, outside kopf's
+    handler context: kopf.event() raised LookupError there and the Event was lost (no
+    EngineRestart, no RollingUpdateComplete, one EngineUpdate of two)."""
+    create(api_client, namespace, manifest("ev", replicas=2, parallelism={"data": 4}))
+
+    def available() -> bool:
+        status = _status(api_client, namespace, "ev")
+        rolled = status.get("updatedReplicas") == 2
+        return _condition(status, "Available") == "True" and status["readyReplicas"] == 2 and rolled
+
+    eventually(available, 120, "two engines Available")
+    client.CoreV1Api(api_client).delete_namespaced_pod("ev-e1-n1", namespace)
+    eventually(
+        lambda: _status(api_client, namespace, "ev")["engines"][1]["restarts"] == 1,
+        120,
+        "engine 1 restarted",
+    )
+    eventually(available, 120, "Available after the restart")
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "ev", {"spec": {"shmSize": "8Gi"}}
+    )
+    eventually(
+        lambda: (
+            _condition(_status(api_client, namespace, "ev"), "UpdateInProgress") == "False"
+            and available()
+        ),
+        180,
+        "the roll finished",
+    )
+    expected = {
+        "EngineCreated": 5,  # two engines, engine 1 after its restart, both after the roll
+        "EngineRestart": 1,
+        "RollingUpdate": 1,
+        "EngineUpdate": 2,
+        "RollingUpdateComplete": 1,
+    }
+
+    def posted() -> dict[str, int]:
+        reasons = [r for r in events(api_client, namespace, "ev") if r in OUR_EVENTS]
+        return {reason: reasons.count(reason) for reason in sorted(set(reasons))}
+
+    eventually(lambda: posted() == expected, 30, f"the Events {expected}")
+    time.sleep(15)  # a timer tick or more: nothing is posted twice
+    assert posted() == expected
+
+
 def test_children_no_longer_rendered_are_removed(api_client, operator, namespace) -> None:
     """An older release's per-engine budget is deleted on upgrade, and disabling the
     NetworkPolicy deletes the policies."""
