@@ -2,7 +2,8 @@
 
 One engine is one torch.distributed world of ``data x sequence x tensor`` ranks on
 ``world / gpusPerNode`` Pods, one per node, named ``<name>-e<engine>-n<node>``.
-Each Pod runs torchrun with ``gpusPerNode`` ranks of ``dlo-worker serve``; node 0
+Each Pod runs torchrun (through ``dlo-worker launch``) with ``gpusPerNode`` ranks of
+``dlo-worker serve``; node 0
 of every engine is the leader that serves requests. Per engine: a headless Service
 (publishNotReadyAddresses, so ranks find node 0 while nothing is ready yet) and a
 NetworkPolicy; per deployment: a client Service selecting the leaders and one
@@ -148,8 +149,12 @@ def worker_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
 
 
 def _command(spec: DiffusionDeploymentSpec) -> list[str]:
+    """torchrun through ``dlo-worker launch``, which exits 0 once every rank drained after
+    SIGTERM (torchrun alone exits 1 then, and every stop would end the Pod in Error)."""
     return [
-        "torchrun",
+        "dlo-worker",
+        "launch",
+        "--",
         "--nnodes=$(NNODES)",
         "--nproc-per-node=$(NPROC_PER_NODE)",
         "--node-rank=$(NODE_RANK)",

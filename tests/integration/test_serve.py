@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.launch import rank_logs, torchrun_command
+from tests.support.launch import launch_command, rank_logs, torchrun_command
 from tests.support.ports import free_port
 from tests.support.serving import ENV, Server, digest, serve_command
 
@@ -208,3 +208,29 @@ def test_an_api_key_guards_generation_and_leaves_health_open(demo_model_dir: Pat
         assert 'dlo_requests_total{outcome="rejected_unauthorized"} 3.0' in metrics
     finally:
         server.stop()
+
+
+def test_a_drained_engine_exits_0_and_a_stop_while_loading_names_the_ranks(
+    demo_model_dir: Path,
+) -> None:
+    """torchrun re-raised the SIGTERM it forwarded after its ranks drained cleanly: exit 1
+    and a traceback, so every graceful stop ended the Pod in Error. Under ``launch`` the
+    ranks report how their drain ended."""
+    port = free_port()
+    flags = ("--data-parallel-size", "2", "--enable-distributed-layerwise-offload")
+    server = Server(launch_command(serve_command(demo_model_dir, port, *flags)), port)
+    server.wait_ready()
+    assert server.generate({"seed": 1, "steps": 2}).status_code == 200
+    output = server.stop()
+    assert server.process.returncode == 0, output
+    assert "Traceback" not in output
+    assert "process groups destroyed" in output
+
+    early_port = free_port()
+    early = Server(launch_command(serve_command(demo_model_dir, early_port, *flags)), early_port)
+    time.sleep(3)  # the ranks are importing torch or loading: no drain to finish
+    output = early.stop()
+    assert early.process.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
+    (line,) = [x for x in output.splitlines() if x.startswith("dlo-worker launch: error:")]
+    assert "local rank 0 ended before its drain finished" in line

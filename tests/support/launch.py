@@ -26,6 +26,24 @@ def torchrun_command(arguments: list[str], log_dir: Path, processes: int = 2) ->
     ]
 
 
+def launch_command(arguments: list[str], processes: int = 2) -> list[str]:
+    """``dlo-worker <arguments>`` as ``processes`` ranks under ``dlo-worker launch``, the
+    command a worker Pod runs."""
+    return [
+        sys.executable,
+        "-m",
+        "dlo_worker",
+        "launch",
+        "--",
+        "--standalone",
+        "--nproc-per-node",
+        str(processes),
+        "-m",
+        "dlo_worker",
+        *arguments,
+    ]
+
+
 def rank_logs(log_dir: Path) -> dict[int, str]:
     """Each rank's stderr, by local rank, from a ``torchrun_command`` run."""
     return {int(path.parent.name): path.read_text() for path in log_dir.rglob("stderr.log")}

@@ -72,7 +72,7 @@ def serve_as_rendered_pod(
         argv_overrides={"--port": str(http), "--device": device},
         scaffolds=SCAFFOLDS,
     )
-    assert plan.argv[:2] == ["torchrun", "--nnodes=1"]
+    assert plan.argv[:4] == ["dlo-worker", "launch", "--", "--nnodes=1"]
     assert plan.uid == plan.gid == WORKER_UID
     assert plan.capabilities == []
     process = subprocess.Popen(
@@ -95,7 +95,7 @@ def serve_as_rendered_pod(
         else:
             raise AssertionError("the sandboxed worker never became ready")
         ranks = _tree(process.pid)
-        assert len(ranks) == 3  # torchrun and its two ranks
+        assert len(ranks) == 3  # the launcher (torchrun in its process) and its two ranks
         for pid in ranks:
             status = _status(pid)
             assert status["Uid"].split() == [str(WORKER_UID)] * 4
@@ -115,6 +115,7 @@ def serve_as_rendered_pod(
         "content_type": answer.headers.get("Content-Type"),
         "body": answer.content,
         "log": log,
+        "returncode": process.returncode,
     }
 
 
@@ -126,3 +127,6 @@ def assert_served_and_drained(result: dict) -> None:
         assert step in result["log"], (step, result["log"][-3000:])
     assert "Read-only file system" not in result["log"]
     assert "Permission denied" not in result["log"]
+    # A clean drain is a clean exit (torchrun alone re-raised SIGTERM: exit 1, a traceback).
+    assert result["returncode"] == 0, result["log"][-3000:]
+    assert "Traceback" not in result["log"], result["log"][-3000:]

@@ -285,7 +285,24 @@ def _command_serve(args: argparse.Namespace) -> int:
         api_key=api_key.strip() if api_key else None,
     )
     serve(config, options)
+    from dlo_worker.launch import record_exit
+
+    record_exit(0)  # the drain finished: under `launch`, the Pod ends Succeeded
     return 0
+
+
+def _command_launch(args: argparse.Namespace) -> int:
+    from dlo_worker.launch import launch
+
+    arguments = args.torchrun_arguments
+    if arguments[:1] == ["--"]:
+        arguments = arguments[1:]
+    if not arguments:
+        raise UsageError(
+            "launch needs torchrun's arguments after --, e.g. dlo-worker launch -- "
+            "--nproc-per-node 2 -m dlo_worker serve --model DIR"
+        )
+    return launch(arguments)
 
 
 def _command_cache_warm(args: argparse.Namespace) -> int:
@@ -475,6 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_fields(serve_parser, prefix, model, f"{prefix} options")
     serve_parser.set_defaults(handler=_command_serve)
     _add_cache_commands(commands, common)
+    launch_parser = commands.add_parser(
+        "launch",
+        parents=[common],
+        help="Run torchrun (arguments after --) and exit 0 when every rank finished its "
+        "drain after SIGTERM, where torchrun itself would exit 1 (the Pod command).",
+    )
+    launch_parser.add_argument(
+        "torchrun_arguments", nargs=argparse.REMAINDER, help="-- then torchrun's arguments."
+    )
+    launch_parser.set_defaults(handler=_command_launch)
     return parser
 
 

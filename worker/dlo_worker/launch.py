@@ -1,0 +1,71 @@
+"""``dlo-worker launch``: torchrun, exiting the way its ranks' drain ended.
+
+torchrun forwards SIGTERM to its ranks, waits for them, and then raises the signal again
+as ``SignalException``, so a Pod whose every rank drained cleanly ended ``Error`` with exit
+1 and a traceback on every scale-down, roll, delete and drain. The ranks finish the
+drain, so they report how it ended. Each rank's ``serve`` writes its exit status to
+``$DLO_EXIT_DIR/<local rank>`` as its last act (:func:`record_exit`). After the signal,
+``launch`` exits 0 when every local rank recorded 0. Otherwise it exits 128 + the signal
+with one line naming the ranks that did not finish. A rank that fails on its own ends the
+launch with exit 1 and one line per failed rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+EXIT_DIR_ENV = "DLO_EXIT_DIR"
+LOCAL_RANK_ENV = "LOCAL_RANK"
+
+
+def record_exit(status: int) -> None:
+    """Under ``launch``: record this rank's exit status for the launcher (no-op elsewhere)."""
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if directory:
+        rank = os.environ.get(LOCAL_RANK_ENV, "0")
+        (Path(directory) / rank).write_text(f"{status}\n")
+
+
+def unfinished_ranks(directory: Path, local_ranks: int) -> list[str]:
+    """Local ranks that recorded no exit, or a non-zero one, each as a short reason."""
+    problems = []
+    for rank in range(local_ranks):
+        path = directory / str(rank)
+        status = path.read_text().strip() if path.is_file() else None
+        if status is None:
+            problems.append(f"local rank {rank} ended before its drain finished")
+        elif status != "0":
+            problems.append(f"local rank {rank} exited {status}")
+    return problems
+
+
+def launch(torchrun_arguments: list[str]) -> int:
+    """Run torchrun with ``torchrun_arguments``; returns the exit status (see the module
+    docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import determine_local_world_size, main, parse_args
+
+    local_ranks = determine_local_world_size(parse_args(torchrun_arguments).nproc_per_node)
+    with tempfile.TemporaryDirectory(prefix="dlo-exit-") as directory:
+        os.environ[EXIT_DIR_ENV] = directory
+        try:
+            main(torchrun_arguments)
+        except SignalException as error:
+            problems = unfinished_ranks(Path(directory), local_ranks)
+            if not problems:
+                return 0
+            print(f"dlo-worker launch: error: {'; '.join(problems)}", file=sys.stderr)
+            return 128 + int(error.sigval)
+        except ChildFailedError as error:
+            for rank, failure in sorted(error.failures.items()):
+                print(
+                    f"dlo-worker launch: error: rank {rank} (local rank {failure.local_rank}) "
+                    f"exited {failure.exitcode}",
+                    file=sys.stderr,
+                )
+            return 1
+    return 0
