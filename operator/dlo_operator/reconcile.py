@@ -452,11 +452,29 @@ def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
     state.actions.delete_children += sorted(key for key in current if key not in wanted)
 
 
+MAX_UNAVAILABLE_ENGINES = 1
+"""The operator takes at most one engine down at a time (a roll replaces one, the
+disruption budget lets a drain evict one), so a deployment of several engines stays
+Available while all but one serve."""
+
+
+def _serving(pods: list[ObservedPod], expected: int) -> bool:
+    """Every rank of the engine runs and is Ready, on whichever spec: it serves."""
+    live = [pod for pod in pods if not pod.terminating]
+    return len(live) == expected and all(pod.ready and pod.phase == "Running" for pod in live)
+
+
 def _report_status(state: _Pass) -> None:
     spec, phases = state.spec, state.phases
     expected = pods_per_engine(spec)
     current_hash = spec_hash(spec)
-    ready = sum(phase == EnginePhase.READY for phase in phases.values())
+    # Ready counts the engines that serve, the old spec included (as a Deployment counts
+    # ready Pods of every revision); updated counts those on the current spec.
+    ready = sum(
+        phase != EnginePhase.FAILED and _serving(state.engine_pods(engine), expected)
+        for engine, phase in phases.items()
+    )
+    minimum = max(1, spec.replicas - MAX_UNAVAILABLE_ENGINES)
     updated = sum(
         1
         for engine in range(spec.replicas)
@@ -465,19 +483,30 @@ def _report_status(state: _Pass) -> None:
     )
     outdated = sum(phase == EnginePhase.UPDATING for phase in phases.values())
     surplus = any(pod.engine >= spec.replicas for pod in state.pods)
-    progressing = ready < spec.replicas or bool(outdated) or surplus
+    on_spec = sum(phase == EnginePhase.READY for phase in phases.values())
+    progressing = on_spec < spec.replicas or bool(outdated) or surplus
     degraded = any(phase == EnginePhase.FAILED for phase in phases.values())
     prior = state.prior_conditions
     was_rolling = "UpdateInProgress" in prior and prior["UpdateInProgress"].status == "True"
     # A roll lasts until every engine runs the current spec and is Ready again.
     stale = any(p.spec_hash != current_hash for p in state.pods if p.engine < spec.replicas)
-    rolling = stale or (was_rolling and ready < spec.replicas)
+    rolling = stale or (was_rolling and on_spec < spec.replicas)
+    if ready >= spec.replicas:
+        available_reason, note = "AllEnginesReady", ""
+    elif ready >= minimum:
+        down = spec.replicas - ready
+        available_reason, note = (
+            "MinimumEnginesReady",
+            f" ({down} may be down for an update or a restart)",
+        )
+    else:
+        available_reason, note = "EnginesNotReady", ""
     conditions = [
         state.condition(
             "Available",
-            true=ready >= spec.replicas,
-            reason="AllEnginesReady" if ready >= spec.replicas else "EnginesNotReady",
-            message=f"{ready}/{spec.replicas} engines ready",
+            true=ready >= minimum,
+            reason=available_reason,
+            message=f"{ready}/{spec.replicas} engines ready{note}",
         ),
         state.condition(
             "Progressing",

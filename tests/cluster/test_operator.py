@@ -274,8 +274,10 @@ def test_a_spec_change_replaces_engines_one_at_a_time(api_client, operator, name
         GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"shmSize": "4Gi"}}
     )
     most_engines_down = 0
+    statuses = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
+        statuses.append(_status(api_client, namespace, "roll"))
         pods = _pods(api_client, namespace)
         ready_engines = {
             p.metadata.labels["dlo.dev/engine"]
@@ -293,6 +295,11 @@ def test_a_spec_change_replaces_engines_one_at_a_time(api_client, operator, name
     else:
         raise AssertionError("the roll did not finish")
     assert most_engines_down <= 1
+    # Engines serving the old spec count: READY fell to 0 and Available to False for the
+    # whole roll while every request succeeded.
+    assert min(status.get("readyReplicas", 0) for status in statuses) >= 2
+    assert {_condition(status, "Available") for status in statuses} == {"True"}
+    assert max(status.get("updatedReplicas", 0) for status in statuses) == 3
 
 
 def _evict(api_client, namespace: str, name: str) -> int:

@@ -200,7 +200,9 @@ def test_transition_time_moves_only_when_a_condition_changes() -> None:
     assert {c.last_transition_time for c in again.status.conditions} == {"2000-01-01T00:00:00Z"}
     broken = reconcile(OWNER, desired, 1, running(desired, [0]), stamped)
     times = {c.type: c.last_transition_time for c in broken.status.conditions}
-    assert times["Available"] != "2000-01-01T00:00:00Z"
+    assert times["Progressing"] != "2000-01-01T00:00:00Z"
+    # Available holds (one of two engines may be down) though its message changed.
+    assert times["Available"] == "2000-01-01T00:00:00Z"
 
 
 def observed_children(desired: DiffusionDeploymentSpec) -> list[ObservedChild]:
@@ -360,3 +362,31 @@ def test_the_timer_runs_a_pass_only_when_one_is_due() -> None:
     assert pass_due(recent, 110.0, **{**steady, "lapsed": True})  # an event never came
     # Never while a pass runs: its end is recorded and the next tick decides.
     assert not pass_due(_LastPass(at=100.0, refused=True), 110.0, **{**steady, "running": True})
+
+
+def test_engines_serving_the_old_spec_count_as_ready_and_keep_the_deployment_available() -> None:
+    """An outdated engine counted as not ready although it served: READY fell to 0 and
+    Available to False for every roll, while every request succeeded."""
+    old, new = spec(), spec(shmSize="8Gi")
+    stable = reconcile(OWNER, old, 1, running(old, range(2)), DiffusionDeploymentStatus())
+    started = reconcile(OWNER, new, 2, running(new, range(2), hash_of=old), stable.status)
+    assert (started.status.ready_replicas, started.status.updated_replicas) == (2, 0)
+    assert conditions(started.status)["Available"] == "True"
+    # Engine 0 is replaced; engine 1 still serves the old spec.
+    replacing = running(new, [0], terminating=True, hash_of=old) + running(new, [1], hash_of=old)
+    during = reconcile(OWNER, new, 2, replacing, started.status)
+    assert (during.status.ready_replicas, during.status.updated_replicas) == (1, 0)
+    available = next(c for c in during.status.conditions if c.type == "Available")
+    assert (available.status, available.reason) == ("True", "MinimumEnginesReady")
+    assert available.message == "1/2 engines ready (1 may be down for an update or a restart)"
+    # A single engine has nothing to serve while it is replaced: that is the truth.
+    one_old, one_new = spec(replicas=1), spec(replicas=1, shmSize="8Gi")
+    alone = running(one_new, [0], terminating=True, hash_of=one_old)
+    single = reconcile(OWNER, one_new, 2, alone, DiffusionDeploymentStatus())
+    assert conditions(single.status)["Available"] == "False"
+    # Two of three engines down is not available.
+    three = spec(replicas=3)
+    down = running(three, [0]) + running(three, [1, 2], ready=False, phase="Pending")
+    assert conditions(reconcile(OWNER, three, 1, down, stable.status).status)["Available"] == (
+        "False"
+    )
