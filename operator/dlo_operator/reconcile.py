@@ -452,12 +452,6 @@ def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
     state.actions.delete_children += sorted(key for key in current if key not in wanted)
 
 
-MAX_UNAVAILABLE_ENGINES = 1
-"""The operator takes at most one engine down at a time (a roll replaces one, the
-disruption budget lets a drain evict one), so a deployment of several engines stays
-Available while all but one serve."""
-
-
 def _serving(pods: list[ObservedPod], expected: int) -> bool:
     """Every rank of the engine runs and is Ready, on whichever spec: it serves."""
     live = [pod for pod in pods if not pod.terminating]
@@ -474,7 +468,10 @@ def _report_status(state: _Pass) -> None:
         phase != EnginePhase.FAILED and _serving(state.engine_pods(engine), expected)
         for engine, phase in phases.items()
     )
-    minimum = max(1, spec.replicas - MAX_UNAVAILABLE_ENGINES)
+    # A roll replaces one engine at a time and drains evict up to the disruption budget's
+    # engines: a deployment stays Available while that many are down (one at least).
+    down_allowed = max(1, spec.disruption_budget.max_unavailable_engines)
+    minimum = max(1, spec.replicas - down_allowed)
     updated = sum(
         1
         for engine in range(spec.replicas)
