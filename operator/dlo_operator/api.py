@@ -26,6 +26,8 @@ SINGULAR = "diffusiondeployment"
 SHORT_NAMES = ("dd",)
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+RENDEZVOUS_PORT = 29500
+"""The engine's torch rendezvous port (``MASTER_PORT``), on every worker Pod."""
 _ABSOLUTE_CLEAN_PATH = "self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')"
 
 
@@ -301,7 +303,17 @@ class DiffusionDeploymentSpec(_Api):
     resources: Resources = Resources()
     shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
     scheduling: Scheduling = Scheduling()
-    port: int = Field(default=8000, ge=1, le=65535, description="Worker HTTP port.")
+    port: int = Field(
+        default=8000,
+        ge=1,
+        le=65535,
+        description=f"Worker HTTP port (not {RENDEZVOUS_PORT}, the engine's rendezvous port).",
+        json_schema_extra=_cel(
+            f"self != {RENDEZVOUS_PORT}",
+            f"port {RENDEZVOUS_PORT} is the engine's torch rendezvous port (MASTER_PORT), "
+            "which every worker Pod also listens on: choose another port",
+        ),
+    )
     api_key_secret: SecretKey | None = Field(
         default=None,
         description="Require 'Authorization: Bearer <key>' on generation routes, the key "

@@ -29,6 +29,7 @@ from kubernetes.utils import parse_quantity
 from dlo_operator.api import (
     GROUP,
     KIND,
+    RENDEZVOUS_PORT,
     VERSION,
     Accelerator,
     DiffusionDeploymentSpec,
@@ -60,7 +61,7 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 ROLE_LEADER, ROLE_WORKER = "leader", "worker"
 
 CONTAINER = "worker"
-MASTER_PORT = 29500
+MASTER_PORT = RENDEZVOUS_PORT
 TORCHRUN_EXIT_MARGIN_S = 10
 ENDPOINT_REMOVAL_DELAY_S = 5
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -41,6 +41,8 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         ({"shmSize": "lots"}, "spec.shmSize"),
         ({"quantization": "int3"}, "spec.quantization"),
         ({"accelerator": "tpu"}, "spec.accelerator"),
+        # The engine looped on EADDRINUSE, restarting every few seconds.
+        ({"port": 29500}, "port 29500 is the engine's torch rendezvous port"),
     ],
     ids=[
         "world-size",
