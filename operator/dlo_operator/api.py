@@ -344,8 +344,18 @@ class Condition(_Api):
 class EngineStatus(_Api):
     index: int
     phase: str
+    """Pending, Ready, Updating, Failed, or BackingOff (failed, waiting for its restart)."""
     pods: list[str] = []
     restarts: int = 0
+    consecutive_restarts: int = 0
+    """Restarts since the engine last served for 10 minutes: the backoff's exponent."""
+    last_restart_time: str | None = None
+    next_restart_time: str | None = None
+    """While backing off: when the engine is restarted."""
+    reason: str | None = None
+    """Why it does not run: StartupFailed, EngineFailed, ImagePullFailed, ConfigError,
+    Unschedulable (its message says what the worker or the cluster reported)."""
+    message: str | None = None
 
 
 class CacheNodeStatus(_Api):

@@ -138,6 +138,12 @@ def custom_resource_definition() -> dict[str, Any]:
                             "jsonPath": '.status.conditions[?(@.type=="Available")].status',
                         },
                         {
+                            "name": "Degraded",
+                            "type": "string",
+                            "description": "Why an engine does not run (Degraded's reason).",
+                            "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason',
+                        },
+                        {
                             "name": "Cache",
                             "type": "string",
                             "description": "Nodes whose runtime cache is warm / eligible nodes.",

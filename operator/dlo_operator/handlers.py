@@ -17,6 +17,7 @@ Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import time
@@ -38,6 +39,7 @@ from dlo_operator.api import (
 from dlo_operator.coalesce import Coalescer
 from dlo_operator.events import post_event
 from dlo_operator.expectations import PodExpectations
+from dlo_operator.failures import parse_time
 from dlo_operator.reconcile import (
     Actions,
     ApplyFailure,
@@ -459,7 +461,22 @@ def _sync(name: str, namespace: str) -> list[ApplyFailure]:
     )
     _patch_status(namespace, name, status, body.get("status") or {})
     _post(body, [*actions.events, *failure_events], changed)
+    _note_backoff((namespace, name), status)
     return failures
+
+
+_backoff_ends: dict[tuple[str, str], float] = {}
+"""When the earliest backing-off engine of each deployment is due (``time.monotonic()``):
+no event will come then, so the timer runs that pass."""
+
+
+def _note_backoff(key: tuple[str, str], status: DiffusionDeploymentStatus) -> None:
+    ends = [parse_time(e.next_restart_time) for e in status.engines if e.next_restart_time]
+    if not ends:
+        _backoff_ends.pop(key, None)
+        return
+    wait = (min(ends) - datetime.datetime.now(datetime.UTC)).total_seconds()
+    _backoff_ends[key] = time.monotonic() + max(wait, 0.0)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -484,7 +501,7 @@ def on_timer(name: str, namespace: str, spec: Any, **_: Any) -> None:
         first_tick=_first_ticks.setdefault(key, now),
         running=_passes.running(key),
         warming=bool(cache),
-        lapsed=_expectations.lapsed(key, now),
+        lapsed=_expectations.lapsed(key, now) or now >= _backoff_ends.get(key, float("inf")),
     ):
         sync(name, namespace)
 
@@ -512,6 +529,7 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
     _passes.forget((namespace, name))
     _last_passes.pop((namespace, name), None)
     _first_ticks.pop((namespace, name), None)
+    _backoff_ends.pop((namespace, name), None)
     _expectations.forget((namespace, name))
 
 

@@ -28,6 +28,14 @@ from dlo_operator.api import (
     DiffusionDeploymentStatus,
     EngineStatus,
 )
+from dlo_operator.failures import (
+    BACKOFF_RESET_S,
+    PodProblem,
+    format_time,
+    parse_time,
+    pod_problem,
+    restart_delay_s,
+)
 from dlo_operator.render import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_SPEC_HASH,
@@ -59,6 +67,8 @@ class EnginePhase(StrEnum):
     READY = "Ready"
     FAILED = "Failed"
     """A Pod failed or vanished: the engine is being restarted."""
+    BACKING_OFF = "BackingOff"
+    """Failed again soon after a restart: it waits before the next one (CrashLoopBackOff)."""
     UPDATING = "Updating"
     """Its Pods run an older spec and are being replaced."""
 
@@ -74,6 +84,8 @@ class ObservedPod:
     phase: str
     ready: bool
     terminating: bool
+    problem: PodProblem | None = None
+    """Why it does not run, as its status says (:mod:`dlo_operator.failures`)."""
 
     @classmethod
     def from_manifest(cls, pod: Mapping[str, Any]) -> ObservedPod:
@@ -88,6 +100,7 @@ class ObservedPod:
             phase=status.get("phase", "Pending"),
             ready=conditions.get("Ready") == "True",
             terminating=bool(metadata.get("deletionTimestamp")),
+            problem=pod_problem(status),
         )
 
 
@@ -264,6 +277,11 @@ class _Pass:
     actions: Actions = field(default_factory=Actions)
     phases: dict[int, EnginePhase] = field(default_factory=dict)
     restarts: dict[int, int] = field(default_factory=dict)
+    now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
+    consecutive: dict[int, int] = field(default_factory=dict)
+    last_restart: dict[int, datetime.datetime | None] = field(default_factory=dict)
+    next_restart: dict[int, datetime.datetime] = field(default_factory=dict)
+    problems: dict[int, PodProblem] = field(default_factory=dict)
 
     @property
     def cache(self) -> CacheStatus | None:
@@ -308,12 +326,16 @@ def reconcile(
     children: Iterable[ObservedChild] = (),
     nodes: Iterable[ObservedNode] = (),
     jobs: Iterable[ObservedJob] = (),
+    now: datetime.datetime | None = None,
 ) -> Actions:
     """The actions that move the children towards ``spec``, and the status to report.
 
-    ``nodes`` and ``jobs`` (the warm Jobs) matter only with the runtime cache enabled.
+    ``nodes`` and ``jobs`` (the warm Jobs) matter only with the runtime cache enabled;
+    ``now`` (UTC) times restart backoffs.
     """
     state = _Pass(owner, spec, generation, list(pods), previous, nodes=list(nodes), jobs=list(jobs))
+    if now is not None:
+        state.now = now
     try:
         validate(spec)
     except InvalidSpecError as error:
@@ -366,10 +388,38 @@ def _report_invalid(state: _Pass, message: str) -> None:
 
 def _judge_engines(state: _Pass) -> None:
     expected, current_hash = pods_per_engine(state.spec), spec_hash(state.spec)
-    prior_restarts = {engine.index: engine.restarts for engine in state.previous.engines}
+    prior = {engine.index: engine for engine in state.previous.engines}
     for engine in range(state.spec.replicas):
-        state.phases[engine] = _engine_phase(state.engine_pods(engine), expected, current_hash)
-        state.restarts[engine] = prior_restarts.get(engine, 0)
+        pods = state.engine_pods(engine)
+        phase = _engine_phase(pods, expected, current_hash)
+        earlier = prior.get(engine)
+        state.phases[engine] = phase
+        state.restarts[engine] = earlier.restarts if earlier else 0
+        state.consecutive[engine] = earlier.consecutive_restarts if earlier else 0
+        state.last_restart[engine] = parse_time(earlier.last_restart_time) if earlier else None
+        last = state.last_restart[engine]
+        if phase == EnginePhase.READY and (
+            last is None or (state.now - last).total_seconds() >= BACKOFF_RESET_S
+        ):
+            state.consecutive[engine] = 0  # it served long enough: the next failure is new
+        problem = next(
+            (
+                p.problem
+                for p in sorted(pods, key=lambda p: p.node_rank)
+                if p.problem and not p.terminating
+            ),
+            None,
+        )
+        if problem is not None:
+            if problem.reason == "Exited":
+                served = earlier is not None and earlier.phase == EnginePhase.READY
+                problem = PodProblem("EngineFailed" if served else "StartupFailed", problem.message)
+            state.problems[engine] = problem
+        elif (
+            phase != EnginePhase.READY and state.consecutive[engine] and earlier and earlier.reason
+        ):
+            # Restarting after a failure: the cause stays reported until the engine serves.
+            state.problems[engine] = PodProblem(earlier.reason, earlier.message or "")
 
 
 def _scale_down(state: _Pass) -> None:
@@ -380,29 +430,45 @@ def _scale_down(state: _Pass) -> None:
 
 
 def _restart_failed_engines(state: _Pass) -> None:
-    """A failed, evicted or lost rank takes its whole engine down; it is then recreated."""
-    expected = pods_per_engine(state.spec)
+    """A failed, evicted or lost rank takes its whole engine down; it is then recreated,
+    at once the first time and after a growing delay when it keeps failing (the failed
+    Pods stay meanwhile, with their logs). An engine whose Pods run an older spec restarts
+    at once: the new spec may be the fix."""
+    expected, current_hash = pods_per_engine(state.spec), spec_hash(state.spec)
     for engine, phase in state.phases.items():
         if phase != EnginePhase.FAILED:
             continue
+        pods = state.engine_pods(engine)
+        if any(pod.spec_hash != current_hash for pod in pods if not pod.terminating):
+            state.consecutive[engine] = 0
+        last = state.last_restart[engine]
+        delay = restart_delay_s(state.consecutive[engine])
+        if last is not None and (state.now - last).total_seconds() < delay:
+            state.phases[engine] = EnginePhase.BACKING_OFF
+            state.next_restart[engine] = last + datetime.timedelta(seconds=delay)
+            continue
         restart = state.restarts[engine] + 1
+        problem = state.problems.get(engine)
+        cause = f"failed ({problem.reason}: {problem.message})" if problem else "lost a rank"
         before = len(state.actions.delete_pods)
         state.delete(
-            state.engine_pods(engine),
+            pods,
             Event(
                 "EngineRestart",
-                f"engine {engine} lost a rank; restarting all {expected} Pods (restart {restart})",
+                f"engine {engine} {cause}; restarting all {expected} Pods (restart {restart})",
                 warning=True,
             ),
         )
         if len(state.actions.delete_pods) > before:
             state.restarts[engine] = restart
+            state.consecutive[engine] += 1
+            state.last_restart[engine] = state.now
 
 
 def _create_missing_pods(state: _Pass) -> None:
     """New engines, and engines whose creation was interrupted, get their missing Pods."""
     for engine, phase in state.phases.items():
-        if phase in (EnginePhase.FAILED, EnginePhase.UPDATING):
+        if phase in (EnginePhase.FAILED, EnginePhase.BACKING_OFF, EnginePhase.UPDATING):
             continue
         present = {pod.name for pod in state.engine_pods(engine)}
         live = [pod for pod in state.engine_pods(engine) if not pod.terminating]
@@ -452,6 +518,49 @@ def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
     state.actions.delete_children += sorted(key for key in current if key not in wanted)
 
 
+def _engine_status(state: _Pass, engine: int, expected: int) -> EngineStatus:
+    problem = state.problems.get(engine)
+    last, upcoming = state.last_restart[engine], state.next_restart.get(engine)
+    return EngineStatus(
+        index=engine,
+        phase=state.phases[engine],
+        pods=[pod_name(state.owner, engine, node) for node in range(expected)],
+        restarts=state.restarts[engine],
+        consecutive_restarts=state.consecutive[engine],
+        last_restart_time=format_time(last) if last else None,
+        next_restart_time=format_time(upcoming) if upcoming else None,
+        reason=problem.reason if problem else None,
+        message=problem.message if problem else None,
+    )
+
+
+def _degradation(state: _Pass) -> tuple[str | None, str]:
+    """The Degraded condition's reason and message: the first engine that does not run,
+    with what its Pods report, and when a backing-off engine restarts; Events for engines
+    whose failure is news (``EngineFailed``, once per reason and message)."""
+    prior = {engine.index: engine for engine in state.previous.engines}
+    found: tuple[str | None, str] = (None, "")
+    for engine, phase in sorted(state.phases.items()):
+        problem = state.problems.get(engine)
+        failed = phase in (EnginePhase.FAILED, EnginePhase.BACKING_OFF)
+        if problem is None and not failed:
+            continue
+        reason = problem.reason if problem else "EngineRestarting"
+        message = f"engine {engine}: {problem.message if problem else 'lost a rank'}"
+        if engine in state.next_restart:
+            wait = (state.next_restart[engine] - state.now).total_seconds()
+            message += f"; restarting in {wait:.0f} s (restart {state.restarts[engine] + 1})"
+        earlier = prior.get(engine)
+        if problem and (
+            earlier is None
+            or (earlier.reason, earlier.message) != (problem.reason, problem.message)
+        ):
+            state.actions.events.append(Event("EngineFailed", message, warning=True))
+        if found[0] is None:
+            found = (reason, message)
+    return found
+
+
 def _serving(pods: list[ObservedPod], expected: int) -> bool:
     """Every rank of the engine runs and is Ready, on whichever spec: it serves."""
     live = [pod for pod in pods if not pod.terminating]
@@ -464,8 +573,9 @@ def _report_status(state: _Pass) -> None:
     current_hash = spec_hash(spec)
     # Ready counts the engines that serve, the old spec included (as a Deployment counts
     # ready Pods of every revision); updated counts those on the current spec.
+    failed = (EnginePhase.FAILED, EnginePhase.BACKING_OFF)
     ready = sum(
-        phase != EnginePhase.FAILED and _serving(state.engine_pods(engine), expected)
+        phase not in failed and _serving(state.engine_pods(engine), expected)
         for engine, phase in phases.items()
     )
     # A roll replaces one engine at a time and drains evict up to the disruption budget's
@@ -482,7 +592,8 @@ def _report_status(state: _Pass) -> None:
     surplus = any(pod.engine >= spec.replicas for pod in state.pods)
     on_spec = sum(phase == EnginePhase.READY for phase in phases.values())
     progressing = on_spec < spec.replicas or bool(outdated) or surplus
-    degraded = any(phase == EnginePhase.FAILED for phase in phases.values())
+    degraded_reason, degraded_message = _degradation(state)
+    degraded = degraded_reason is not None
     prior = state.prior_conditions
     was_rolling = "UpdateInProgress" in prior and prior["UpdateInProgress"].status == "True"
     # A roll lasts until every engine runs the current spec and is Ready again.
@@ -514,8 +625,8 @@ def _report_status(state: _Pass) -> None:
         state.condition(
             "Degraded",
             true=degraded,
-            reason="EngineRestarting" if degraded else "Healthy",
-            message="an engine lost a rank" if degraded else "",
+            reason=degraded_reason or "Healthy",
+            message=degraded_message,
         ),
         state.condition(
             "UpdateInProgress",
@@ -537,15 +648,7 @@ def _report_status(state: _Pass) -> None:
         replicas=spec.replicas,
         ready_replicas=ready,
         updated_replicas=updated,
-        engines=[
-            EngineStatus(
-                index=engine,
-                phase=phases[engine],
-                pods=[pod_name(state.owner, engine, node) for node in range(expected)],
-                restarts=state.restarts[engine],
-            )
-            for engine in range(spec.replicas)
-        ],
+        engines=[_engine_status(state, engine, expected) for engine in range(spec.replicas)],
         conditions=conditions,
         cache=state.cache,
     )

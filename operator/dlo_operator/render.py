@@ -375,6 +375,7 @@ def _runtime_cache_owner(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy.value,
         "command": ["chown", f"{WORKER_UID}:{WORKER_UID}", RUNTIME_CACHE_MOUNT_PATH],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "runAsNonRoot": False,
             "runAsUser": 0,
@@ -417,6 +418,9 @@ def render_pod(
         ],
         "resources": _resources(spec),
         "securityContext": container_security,
+        # The worker writes its one-line error to /dev/termination-log; a crash without one
+        # leaves its last log lines there. The operator reports either in the status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         **_probes(spec),
     }
     if delay := endpoint_removal_delay(spec):

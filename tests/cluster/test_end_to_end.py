@@ -23,7 +23,7 @@ from typing import IO
 import pytest
 import requests
 import yaml
-from kubernetes import client, config
+from kubernetes import client, config, watch
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.render import LABEL_DEPLOYMENT, LABEL_ROLE
@@ -288,6 +288,7 @@ def test_a_spec_change_rolls_one_engine_at_a_time_and_no_request_fails(
 ) -> None:
     before = uids(eventually(lambda: serving(deployment), 300, "serving"))
     engines_down_together: list[float] = []
+    availability: list[str] = []
     with RequestLoop(deployment) as loop:
         time.sleep(3)
         patched = deployment.kubectl(
@@ -304,6 +305,8 @@ def test_a_spec_change_rolls_one_engine_at_a_time_and_no_request_fails(
         assert patched.returncode == 0, patched.stderr
 
         def rolled() -> bool:
+            available = deployment.condition("Available")
+            availability.append(available["status"] if available else "missing")
             pods = deployment.pods()
             serving_engines = {
                 engine_of(p)
@@ -324,6 +327,8 @@ def test_a_spec_change_rolls_one_engine_at_a_time_and_no_request_fails(
     assert len(loop.outcomes) >= 5, loop.outcomes
     assert failed == [], f"{len(failed)} of {len(loop.outcomes)} requests failed: {failed[:5]}"
     assert engines_down_together == []
+    # The engine that still serves the old spec counts: Available stayed True.
+    assert set(availability) == {"True"}, availability
     pods = deployment.pods()
     assert {p.spec.containers[0].resources.requests["cpu"] for p in pods} == {"150m"}
 
@@ -347,6 +352,41 @@ def container_log(state: ClusterState, pod: client.V1Pod) -> IO[str]:
     return path.open()
 
 
+class ExitWatch:
+    """The worker container's exit code of every Pod of the namespace, from a watch (the
+    kubelet reports it before the deleted Pod's object goes away)."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+        self.codes: dict[str, int] = {}
+        self._watch = watch.Watch()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        stream = self._watch.stream(
+            self.deployment.core.list_namespaced_pod,
+            NAMESPACE,
+            label_selector=WORKER_SELECTOR,
+            timeout_seconds=GRACE_S * 2,
+        )
+        for event in stream:
+            pod = event["object"]
+            for status in pod.status.container_statuses or []:
+                if status.name == "worker" and status.state and status.state.terminated:
+                    self.codes[pod.metadata.name] = status.state.terminated.exit_code
+
+    def __enter__(self) -> ExitWatch:
+        self._thread.start()
+        time.sleep(1)  # the watch is open before anything is deleted
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        deadline = time.monotonic() + 10
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self._watch.stop()
+
+
 def test_kubectl_delete_drains_each_engine_in_order_within_the_grace_period(
     deployment: Deployment, real_cluster: ClusterState
 ) -> None:
@@ -355,9 +395,12 @@ def test_kubectl_delete_drains_each_engine_in_order_within_the_grace_period(
     (no rank killed)."""
     pods = eventually(lambda: serving(deployment), 300, "serving")
     logs = {name: container_log(real_cluster, pod) for name, pod in pods.items()}
-    started = time.monotonic()
-    deleted = deployment.kubectl("delete", "-n", NAMESPACE, "diffusiondeployment", NAME)
-    took = time.monotonic() - started
+    with ExitWatch(deployment) as exits:
+        started = time.monotonic()
+        deleted = deployment.kubectl("delete", "-n", NAMESPACE, "diffusiondeployment", NAME)
+        took = time.monotonic() - started
+    # A clean drain is a clean exit: each Pod ended Error, exit 1, before `dlo-worker launch`.
+    assert exits.codes == dict.fromkeys(pods, 0), exits.codes
     print(f"kubectl delete returned after {took:.1f} s (grace period {GRACE_S} s)")
     assert deleted.returncode == 0, deleted.stderr
     assert deployment.pods() == []
@@ -371,3 +414,57 @@ def test_kubectl_delete_drains_each_engine_in_order_within_the_grace_period(
         positions = [text.find(f'msg="{line}') for line in expected]
         assert -1 not in positions, (name, expected, text[-3000:])
         assert positions == sorted(positions), (name, text[-3000:])
+
+
+def test_a_broken_model_directory_is_reported_and_its_restarts_back_off(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A model directory that is not a pipeline restarted its engine every 3-7 s (0 -> 13
+    restarts in 90 s) while Degraded stayed False and the cause was only in the logs of
+    Pods deleted seconds later."""
+    empty = tmp_path / "not-a-pipeline"  # mounted as the model directory, mode 0755
+    empty.mkdir()
+    manifest = yaml.safe_load(deployment.manifest.read_text())
+    manifest["metadata"]["name"] = "broken"
+    manifest["spec"].update(
+        {
+            "replicas": 1,
+            "parallelism": {"data": 1},
+            "model": {"hostPath": str(empty)},
+            "terminationGracePeriodSeconds": 10,
+        }
+    )
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(yaml.safe_dump(manifest))
+    applied = deployment.kubectl("apply", "-f", str(broken))
+    assert applied.returncode == 0, applied.stderr
+    objects = client.CustomObjectsApi(deployment.api)
+
+    def status() -> dict:
+        body = objects.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "broken")
+        return body.get("status") or {}
+
+    def reported() -> dict | None:
+        conditions = {c["type"]: c for c in status().get("conditions") or []}
+        degraded = conditions.get("Degraded")
+        if degraded and degraded["status"] == "True" and degraded["reason"] == "StartupFailed":
+            return degraded
+        return None
+
+    degraded = eventually(reported, 60, "Degraded with the worker's message")
+    assert "not a diffusers pipeline directory" in degraded["message"], degraded
+    first = status()["engines"][0]["restarts"]
+    time.sleep(60)
+    engine = status()["engines"][0]
+    # Immediately, then after 10, 20 and 40 s: at most four restarts in a minute.
+    assert engine["restarts"] - first <= 4, engine
+    assert engine["consecutiveRestarts"] >= 2, engine
+    assert engine["reason"] == "StartupFailed"
+    reasons = [
+        event.reason
+        for event in deployment.core.list_namespaced_event(
+            NAMESPACE, field_selector="involvedObject.name=broken"
+        ).items
+    ]
+    assert reasons.count("EngineFailed") == 1, reasons
+    deployment.kubectl("delete", "-n", NAMESPACE, "diffusiondeployment", "broken", "--wait=false")

@@ -343,3 +343,18 @@ def test_a_diffusers_offload_mode_on_an_automatic_cpu_device_is_refused_before_l
         f"{flag} moves weights between host memory and a CUDA device, and the device is cpu" in err
     )
     assert not out.exists()
+
+
+def test_the_error_line_is_the_containers_termination_message(
+    capsys, tmp_path, monkeypatch
+) -> None:
+    """A start-up failure was visible only in the logs of Pods deleted seconds later; the
+    kubelet shows this file's text as the terminated container's message."""
+    termination_log = tmp_path / "termination-log"
+    termination_log.touch()  # the kubelet provides the file in a container
+    monkeypatch.setenv("DLO_TERMINATION_LOG", str(termination_log))
+    code, _, err = run(capsys, "serve", "--model", str(tmp_path))
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert termination_log.read_text() == line + "\n"
+    assert "not a diffusers pipeline directory" in line

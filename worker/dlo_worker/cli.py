@@ -34,6 +34,7 @@ from dlo_worker.config import (
 )
 from dlo_worker.errors import UserFixableError
 from dlo_worker.requests import GenerationRequest
+from dlo_worker.termination import write_termination_message
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -514,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except UserFixableError as error:
         # The one place user-fixable errors become exit 2 (dlo_worker.errors).
-        print(f"dlo-worker {args.command}: error: {error}", file=sys.stderr)
+        line = f"dlo-worker {args.command}: error: {error}"
+        print(line, file=sys.stderr)
+        write_termination_message(line)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130

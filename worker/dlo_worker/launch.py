@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dlo_worker.termination import write_termination_message
+
 EXIT_DIR_ENV = "DLO_EXIT_DIR"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 
@@ -42,6 +44,13 @@ def unfinished_ranks(directory: Path, local_ranks: int) -> list[str]:
     return problems
 
 
+def _report(lines: list[str]) -> None:
+    """Print each line; the first is the termination message unless a rank left its own."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    write_termination_message(lines[0], replace=False)
+
+
 def launch(torchrun_arguments: list[str]) -> int:
     """Run torchrun with ``torchrun_arguments``; returns the exit status (see the module
     docstring)."""
@@ -58,14 +67,15 @@ def launch(torchrun_arguments: list[str]) -> int:
             problems = unfinished_ranks(Path(directory), local_ranks)
             if not problems:
                 return 0
-            print(f"dlo-worker launch: error: {'; '.join(problems)}", file=sys.stderr)
+            _report([f"dlo-worker launch: error: {'; '.join(problems)}"])
             return 128 + int(error.sigval)
         except ChildFailedError as error:
-            for rank, failure in sorted(error.failures.items()):
-                print(
+            _report(
+                [
                     f"dlo-worker launch: error: rank {rank} (local rank {failure.local_rank}) "
-                    f"exited {failure.exitcode}",
-                    file=sys.stderr,
-                )
+                    f"exited {failure.exitcode}"
+                    for rank, failure in sorted(error.failures.items())
+                ]
+            )
             return 1
     return 0

@@ -1,0 +1,104 @@
+"""Why a worker Pod cannot run, read off its status, and how long a failing engine waits
+before its next restart (pure: no I/O).
+
+A start-up failure (a model directory that is not a pipeline, a read-only cache root),
+an image that cannot be pulled, a Secret that is missing or a Pod no node can take was
+visible only in Pod events and in the logs of Pods deleted seconds later, while the
+deployment looked Healthy and its engine restarted every few seconds. The worker writes
+its one-line error to ``/dev/termination-log`` (and the container falls back to its last
+log lines), so the terminated state carries the cause; the waiting state and the Pod's
+``PodScheduled`` condition carry the others. Restarts of an engine that keeps failing
+back off exponentially, as a kubelet's CrashLoopBackOff does, and the backoff resets
+once the engine has served for :data:`BACKOFF_RESET_S`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE_PULL_REASONS = frozenset(
+    {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"}
+)
+CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
+MAX_MESSAGE_CHARACTERS = 400
+
+BACKOFF_BASE_S = 10.0
+BACKOFF_MAX_S = 300.0
+BACKOFF_RESET_S = 600.0
+"""A kubelet's CrashLoopBackOff: 10 s, doubling, at most 5 minutes, reset after 10 minutes
+of running."""
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """Why a Pod does not run: a short ``reason`` (the Degraded condition's) and what the
+    cluster or the worker said."""
+
+    reason: str
+    """``ImagePullFailed``, ``ConfigError``, ``Unschedulable`` or ``Exited`` (a container
+    ended with a non-zero exit: reconcile calls it ``StartupFailed`` or ``EngineFailed``)."""
+    message: str
+
+
+def pod_problem(status: Mapping[str, Any]) -> PodProblem | None:
+    """The first reason this Pod status shows for not running, if any."""
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    for container in containers:
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
+        name = container.get("name", "")
+        if waiting.get("reason") in IMAGE_PULL_REASONS:
+            return PodProblem("ImagePullFailed", _said(name, waiting["reason"], waiting))
+        if waiting.get("reason") in CONFIG_REASONS:
+            return PodProblem("ConfigError", _said(name, waiting["reason"], waiting))
+        terminated = state.get("terminated") or {}
+        if terminated.get("exitCode", 0) != 0:
+            code = terminated["exitCode"]
+            return PodProblem("Exited", _said(name, f"exited {code}", terminated))
+    for condition in status.get("conditions") or []:
+        if (
+            condition.get("type") == "PodScheduled"
+            and condition.get("status") == "False"
+            and condition.get("reason") == "Unschedulable"
+        ):
+            return PodProblem("Unschedulable", _cut(condition.get("message") or "unschedulable"))
+    return None
+
+
+def _said(container: str, what: str, state: Mapping[str, Any]) -> str:
+    """``container <name> <what>: <its message's last line>``."""
+    lines = [line.strip() for line in (state.get("message") or "").splitlines() if line.strip()]
+    detail = lines[-1] if lines else state.get("reason") or ""
+    return _cut(
+        f"container {container} {what}: {detail}" if detail else f"container {container} {what}"
+    )
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARACTERS:
+        return text
+    return text[: MAX_MESSAGE_CHARACTERS - 3] + "..."
+
+
+def restart_delay_s(consecutive_restarts: int) -> float:
+    """How long a failed engine waits before restart number ``consecutive_restarts + 1``
+    of a row: none for the first, then 10 s doubling up to 5 minutes."""
+    if consecutive_restarts <= 0:
+        return 0.0
+    return min(BACKOFF_BASE_S * 2 ** (consecutive_restarts - 1), BACKOFF_MAX_S)
+
+
+def parse_time(text: str | None) -> datetime.datetime | None:
+    if not text:
+        return None
+    return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+
+
+def format_time(moment: datetime.datetime) -> str:
+    return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
