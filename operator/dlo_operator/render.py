@@ -368,13 +368,22 @@ def _runtime_cache_owner(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
     The kubelet creates a missing hostPath directory as root with mode 0755, and fsGroup
     does not apply to hostPath volumes. This step runs as root with CHOWN as its only
     capability and changes the owner of that one directory (entries below it are written
-    by the worker user).
+    by the worker user); where it cannot, the worker's own fallback applies.
     """
     return {
         "name": INIT_CONTAINER_RUNTIME_CACHE,
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy.value,
-        "command": ["chown", f"{WORKER_UID}:{WORKER_UID}", RUNTIME_CACHE_MOUNT_PATH],
+        # A directory that cannot be handed over (a read-only host path, a root-squashing
+        # NFS) is left to the worker, which falls back to its ordinary tensors and says so
+        # (cache-read-only): failing here would restart the engine for good.
+        "command": [
+            "sh",
+            "-c",
+            f'chown {WORKER_UID}:{WORKER_UID} "$0" || echo "runtime cache $0 cannot be handed '
+            'to the worker user; the worker falls back to its ordinary tensors"',
+            RUNTIME_CACHE_MOUNT_PATH,
+        ],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "runAsNonRoot": False,

@@ -82,3 +82,29 @@ def test_the_init_step_hands_a_fresh_cache_directory_to_the_worker_user(tmp_path
     entry = node_directory / "entry"
     assert entry.read_text() == "ok"
     assert (entry.stat().st_uid, node_directory.stat().st_uid) == (WORKER_UID, WORKER_UID)
+
+
+def test_a_read_only_cache_directory_is_left_to_the_workers_fallback(tmp_path: Path) -> None:
+    """The init step's chown failed on a read-only host directory, so the engine looped
+    before the worker could fall back (cache-read-only) as documented."""
+    spec = deployment_spec(
+        model={"hostPath": "/models/demo", "mountPath": MODEL_MOUNT_PATH},
+        offload={"useAllGather": False, "runtimeCache": {"enabled": True}},
+    )
+    pod = render_engine_pods(OWNER, spec, 0)[0]
+    (init,) = pod["spec"]["initContainers"]
+    read_only = {**init, "volumeMounts": [{**init["volumeMounts"][0], "readOnly": True}]}
+    node_directory = tmp_path / "var-cache-dlo-worker"
+    node_directory.mkdir(mode=0o755)
+    plan = plan_container(
+        pod,
+        read_only,
+        host_paths={"runtime-cache": str(node_directory), "model": str(tmp_path)},
+        env_overrides={},
+        argv_overrides={},
+        scaffolds=SCAFFOLDS,
+    )
+    result = _run(plan, tmp_path / "init.json")
+    assert result.returncode == 0, result.stderr
+    assert "the worker falls back to its ordinary tensors" in result.stdout + result.stderr
+    assert node_directory.stat().st_uid == 0  # untouched
