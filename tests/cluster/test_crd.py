@@ -53,6 +53,7 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         "shm",
         "quantization",
         "accelerator",
+        "rendezvous-port",
     ],
 )
 def test_invalid_specs_are_refused_by_the_api_server(
