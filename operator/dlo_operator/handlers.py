@@ -93,6 +93,21 @@ def api() -> client.ApiClient:
     return _api
 
 
+DRAIN_WAIT = "waiting for the engines to drain"
+
+
+class DrainWaitIsNotAnError(logging.Filter):
+    """kopf logs every retry of a handler at ERROR (and posts it as an Event); the deletion
+    handler retries while the engines drain, which is how every normal delete goes. Those
+    records become INFO: shown with ``--verbose``, never posted, never an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if DRAIN_WAIT not in record.getMessage():
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return logging.getLogger("dlo_operator").isEnabledFor(logging.INFO)
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -102,6 +117,9 @@ def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    objects = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, DrainWaitIsNotAnError) for f in objects.filters):
+        objects.addFilter(DrainWaitIsNotAnError())
     # kopf hands its (live) indexes to every handler; the queue's threads read them here.
     _indexes.update(
         {index: kwargs[index] for index in (POD_INDEX, *(k.index for k in _CHILD_KINDS.values()))}
@@ -525,7 +543,7 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
             if error.status != 404:
                 raise
     if pods:
-        raise kopf.TemporaryError("waiting for the engines to drain", delay=2)
+        raise kopf.TemporaryError(DRAIN_WAIT, delay=2)
     _passes.forget((namespace, name))
     _last_passes.pop((namespace, name), None)
     _first_ticks.pop((namespace, name), None)

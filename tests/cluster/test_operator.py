@@ -161,6 +161,9 @@ def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
             return not pods and not services and not budgets
 
         eventually(all_gone, 180, "every child removed")
+    # Every normal delete logged an ERROR line (and posted it) while its engines drained.
+    lines = log.read_text().splitlines()
+    assert [line for line in lines if "level=ERROR" in line and "drain" in line] == []
 
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
