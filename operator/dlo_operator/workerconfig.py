@@ -2,22 +2,79 @@
 
 The DLO compatibility matrix is not restated here: the spec is mapped onto
 :class:`dlo_worker.config.WorkerConfig` and the worker's own validation decides,
-so an invalid spec is reported with exactly the message ``dlo-worker`` would print.
+so an invalid spec is reported with the message ``dlo-worker`` would print, its flags
+replaced by the CRD fields that set them (:func:`in_crd_terms`).
 """
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
 from kubernetes.utils import parse_quantity
 
 from dlo_operator.api import Accelerator, DiffusionDeploymentSpec
-from dlo_worker.config import ConfigError, WorkerConfig, build_config, execution_errors
+from dlo_worker.config import (
+    NEGATIVE_FLAGS,
+    ConfigError,
+    ModelOptions,
+    OffloadOptions,
+    ParallelOptions,
+    WorkerConfig,
+    build_config,
+    execution_errors,
+    flag_for,
+)
 
 RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
 """Where the node's runtime-cache hostPath appears inside every worker container."""
 
 GIB = Decimal(2**30)
+
+CRD_FIELDS = {
+    "model": "model",
+    "dtype": "dtype",
+    "device": "accelerator",
+    "quantization": "quantization",
+    "data_parallel_size": "parallelism.data",
+    "sequence_parallel_size": "parallelism.sequence",
+    "tensor_parallel_size": "parallelism.tensor",
+    "use_hsdp": "parallelism.hsdp.enabled",
+    "hsdp_shard_size": "parallelism.hsdp.shardSize",
+    "hsdp_replicate_size": "parallelism.hsdp.replicateSize",
+    "enable_distributed_layerwise_offload": "offload.enabled",
+    "dlo_use_allgather": "offload.useAllGather",
+    "dlo_resident_layers": "offload.residentLayers",
+    "dlo_gpu_memory_budget_gib": "offload.gpuMemoryBudgetGiB",
+    "dlo_allgather_shard_buffers": "offload.allGatherShardBuffers",
+    "dlo_block_paths": "offload.blockPaths",
+    "dlo_enable_runtime_cache": "offload.runtimeCache.enabled",
+    "dlo_runtime_cache_pin_limit_gib": "offload.runtimeCache.pinLimitGiB",
+    "dlo_runtime_cache_root": "offload.runtimeCache.hostPath",
+    "dlo_runtime_cache_lock_timeout": "offload.runtimeCache.lockTimeoutSeconds",
+    "dlo_runtime_cache_size_budget_gib": "offload.runtimeCache.sizeBudgetGiB",
+    "dlo_runtime_cache_skip_load": "offload.runtimeCache.skipLoad",
+}
+"""The CRD field that sets each worker option the operator renders."""
+_BOOLEAN_OPTIONS = {
+    name
+    for options in (ModelOptions, ParallelOptions, OffloadOptions)
+    for name, field in options.model_fields.items()
+    if field.annotation is bool
+}
+_CRD_TERMS = {
+    **{
+        flag_for(name): f"{path}: true" if name in _BOOLEAN_OPTIONS else path
+        for name, path in CRD_FIELDS.items()
+    },
+    **{flag: f"{CRD_FIELDS[name]}: false" for name, flag in NEGATIVE_FLAGS.items()},
+}
+
+
+def in_crd_terms(message: str) -> str:
+    """The worker's message with each of its flags replaced by the CRD field that sets it
+    (a DiffusionDeployment's author writes fields, never flags)."""
+    return re.sub(r"--[a-z][a-z0-9-]*", lambda flag: _CRD_TERMS.get(flag[0], flag[0]), message)
 
 
 class InvalidSpecError(ValueError):
@@ -69,10 +126,10 @@ def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
             }
         )
     except ConfigError as error:
-        raise InvalidSpecError(str(error)) from None
+        raise InvalidSpecError(in_crd_terms(str(error))) from None
     if errors := execution_errors(config):
         # Valid for the design, but the worker would exit at start-up: refuse it here.
-        raise InvalidSpecError("; ".join(errors))
+        raise InvalidSpecError(in_crd_terms("; ".join(errors)))
     return config
 
 

@@ -129,7 +129,7 @@ def test_invalid_spec_creates_nothing_and_reports_why(api_client, operator, name
         for c in _status(api_client, namespace, "bad")["conditions"]
         if c["type"] == "InvalidSpec"
     )
-    assert "--use-hsdp cannot be combined with DLO AllGather" in message
+    assert "parallelism.hsdp.enabled: true cannot be combined with DLO AllGather" in message
     assert _pods(api_client, namespace) == []
 
 

@@ -75,7 +75,12 @@ def test_model_baked_into_the_image_is_used_in_place() -> None:
 def test_invalid_dlo_combination_carries_the_workers_message() -> None:
     with pytest.raises(InvalidSpecError) as error:
         validate(spec(parallelism={"sequence": 2, "hsdp": {"enabled": True}}))
-    assert "--use-hsdp cannot be combined with DLO AllGather" in str(error.value)
+    # In the CRD's terms: the message named the worker's flags (--use-hsdp, add
+    # --dlo-no-use-allgather), which a DiffusionDeployment's author never writes.
+    assert str(error.value) == (
+        "parallelism.hsdp.enabled: true cannot be combined with DLO AllGather: HSDP already "
+        "shards the parameters and DLO would shard them twice; add offload.useAllGather: false"
+    )
 
 
 @pytest.mark.parametrize(
@@ -84,7 +89,7 @@ def test_invalid_dlo_combination_carries_the_workers_message() -> None:
         ({"parallelism": {"data": 2, "tensor": 2}}, "tensor parallelism needs"),
         (
             {"quantization": "int8", "offload": {"useAllGather": False}},
-            "--quantization int8 is not executed by this worker release",
+            "quantization int8 is not executed by this worker release",
         ),
     ],
 )
@@ -95,14 +100,17 @@ def test_valid_but_not_yet_executable_specs_are_refused(fields: dict, named: str
 
 
 def test_runtime_cache_needs_no_allgather_per_the_worker() -> None:
-    with pytest.raises(InvalidSpecError, match="--dlo-enable-runtime-cache requires"):
+    with pytest.raises(
+        InvalidSpecError,
+        match=r"offload\.runtimeCache\.enabled: true requires offload\.useAllGather: false",
+    ):
         validate(spec(offload={"runtimeCache": {"enabled": True}}))
 
 
 def test_shard_buffers_reach_the_worker_and_are_refused_without_allgather() -> None:
     config = worker_config(spec(offload={"allGatherShardBuffers": 6}))
     assert config.offload.dlo_allgather_shard_buffers == 6
-    with pytest.raises(InvalidSpecError, match="--dlo-allgather-shard-buffers applies only"):
+    with pytest.raises(InvalidSpecError, match=r"offload\.allGatherShardBuffers applies only"):
         validate(spec(offload={"useAllGather": False, "allGatherShardBuffers": 6}))
 
 
@@ -121,7 +129,7 @@ def test_memory_limit_must_hold_the_pinned_budget_and_shm() -> None:
 
 
 def test_resident_layers_without_dlo_are_rejected_like_the_worker_does() -> None:
-    with pytest.raises(InvalidSpecError, match="--enable-distributed-layerwise-offload"):
+    with pytest.raises(InvalidSpecError, match=r"offload\.enabled"):
         validate(spec(offload={"enabled": False, "residentLayers": 2}))
 
 
@@ -131,3 +139,21 @@ def test_the_operator_never_imports_torch() -> None:
 
     probe = "import sys, dlo_operator.handlers; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def test_every_option_the_operator_renders_has_its_crd_field() -> None:
+    from dlo_operator.workerconfig import CRD_FIELDS
+    from dlo_worker.config import ModelOptions, OffloadOptions, ParallelOptions
+
+    config = worker_config(spec(offload={"useAllGather": False, "runtimeCache": {"enabled": True}}))
+    rendered = {
+        name
+        for group, options in (
+            ("model", ModelOptions),
+            ("parallel", ParallelOptions),
+            ("offload", OffloadOptions),
+        )
+        for name in options.model_fields
+        if name in getattr(config, group).model_fields_set
+    }
+    assert rendered - set(CRD_FIELDS) == set()

@@ -180,7 +180,8 @@ def test_an_invalid_spec_creates_nothing_and_says_why() -> None:
     assert actions.delete_pods == []
     by_type = {c.type: c for c in actions.status.conditions}
     assert by_type["InvalidSpec"].status == "True"
-    assert "--use-hsdp" in by_type["InvalidSpec"].message
+    assert "parallelism.hsdp.enabled" in by_type["InvalidSpec"].message
+    assert "--" not in by_type["InvalidSpec"].message
     assert by_type["InvalidSpec"].observed_generation == 4
     assert actions.events[0].warning
 
