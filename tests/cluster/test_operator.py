@@ -242,10 +242,11 @@ def test_the_example_becomes_exactly_the_rendered_objects(
         "READY",
         "UP-TO-DATE",
         "AVAILABLE",
+        "DEGRADED",
         "CACHE",  # empty: the example does not enable the runtime cache
         "AGE",
     ]
-    assert row.split()[:5] == ["flux", "2", "2", "2", "True"]
+    assert row.split()[:6] == ["flux", "2", "2", "2", "True", "Healthy"]
 
 
 def _subset(want: object, got: object) -> bool:

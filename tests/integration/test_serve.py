@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.launch import launch_command, rank_logs, torchrun_command
+from tests.support.launch import launch_command, rank_logs, torchrun_command, wait_for_ranks
 from tests.support.ports import free_port
 from tests.support.serving import ENV, Server, digest, serve_command
 
@@ -228,7 +228,7 @@ def test_a_drained_engine_exits_0_and_a_stop_while_loading_names_the_ranks(
 
     early_port = free_port()
     early = Server(launch_command(serve_command(demo_model_dir, early_port, *flags)), early_port)
-    time.sleep(3)  # the ranks are importing torch or loading: no drain to finish
+    wait_for_ranks(early.process.pid)  # the ranks import torch: no drain to finish yet
     output = early.stop()
     assert early.process.returncode == 128 + signal.SIGTERM, output
     assert "Traceback" not in output

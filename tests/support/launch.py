@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -60,3 +61,24 @@ def join_world_as(rank: int, world_size: int, port: int) -> None:
             "WORLD_SIZE": str(world_size),
         }
     )
+
+
+def wait_for_ranks(pid: int, processes: int = 2, timeout: float = 120) -> None:
+    """Wait until the launcher ``pid`` has started ``processes`` ranks.
+
+    torchrun installs its SIGTERM handler before it starts the ranks, so a signal sent
+    after this returns is forwarded to them; one sent earlier (while the launcher still
+    imports torch) simply ends it.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = []
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                children += (task / "children").read_text().split()
+            except FileNotFoundError:  # the thread ended
+                continue
+        if len(children) >= processes:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"launcher {pid} started no {processes} ranks in {timeout} s")
