@@ -113,15 +113,105 @@ class ModelSource(_Api):
     )
 
 
+RESERVED_ENV_NAMES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "NNODES",
+    "NODE_RANK",
+    "NPROC_PER_NODE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+    "HOME",
+    "USER",
+)
+"""Variables the operator or torchrun sets on every rank; with any ``DLO_`` or
+``TORCHELASTIC_`` name they are refused in ``worker.env``."""
+RESERVED_ENV_PREFIXES = ("DLO_", "TORCHELASTIC_")
+RESERVED_METADATA_PREFIX = f"{GROUP}/"
+"""Labels and annotations under this prefix are the operator's own (selectors, hashes)."""
+
+
+class EnvVar(_Api):
+    """An extra environment variable of every rank (e.g. an NCCL setting), as in a Pod."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            "!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both"
+        )
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+        description="Variable name; names the operator or torchrun sets are refused.",
+    )
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A Pod EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef or "
+        "resourceFieldRef.",
+    )
+
+
+class LocalObjectReference(_Api):
+    """An object in the deployment's namespace, by name."""
+
+    name: str = Field(min_length=1, description="Object name.")
+
+
+def _env_rule() -> dict[str, Any]:
+    names = ", ".join(f"'{name}'" for name in RESERVED_ENV_NAMES)
+    prefixes = " || ".join(f"e.name.startsWith('{prefix}')" for prefix in RESERVED_ENV_PREFIXES)
+    return _cel(
+        f"self.all(e, !(e.name in [{names}]) && !({prefixes}))",
+        "worker.env: the operator and torchrun set "
+        + ", ".join(RESERVED_ENV_NAMES)
+        + " and every DLO_ or TORCHELASTIC_ variable; use the matching spec field instead",
+    )
+
+
 class WorkerImage(_Api):
+    """The worker container: its image and what the platform adds to it."""
+
     image: str = Field(min_length=1, description="Worker container image (entrypoint dlo-worker).")
-    image_pull_policy: ImagePullPolicy = ImagePullPolicy.IF_NOT_PRESENT
+    image_pull_policy: ImagePullPolicy = Field(
+        default=ImagePullPolicy.IF_NOT_PRESENT,
+        description="When the kubelet pulls the image (as in a Pod).",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default=[], description="Secrets for pulling the image from a private registry."
+    )
+    env: list[EnvVar] = Field(
+        default=[],
+        max_length=128,
+        description="Extra environment variables of every rank and of the cache-warming Jobs.",
+        json_schema_extra=_env_rule(),
+    )
+    service_account_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="ServiceAccount of the worker Pods (default: the namespace's default).",
+    )
+    automount_service_account_token: bool = Field(
+        default=False,
+        description="Mount the ServiceAccount's API token into the worker Pods; the worker "
+        "never calls the API, so only sidecars or platform agents need it.",
+    )
 
 
 class Hsdp(_Api):
-    enabled: bool = False
+    """Hybrid sharding of the host weights: shard within groups, replicate across them."""
+
+    enabled: bool = Field(default=False, description="Shard over groups of shardSize ranks.")
     shard_size: int = Field(default=-1, ge=-1, description="-1 = world size / replicate size.")
-    replicate_size: int = Field(default=1, ge=1)
+    replicate_size: int = Field(default=1, ge=1, description="Groups holding a full copy.")
 
 
 class Parallelism(_Api):
@@ -130,7 +220,7 @@ class Parallelism(_Api):
     data: int = Field(default=1, ge=1, description="DP ranks (request lanes) per engine.")
     sequence: int = Field(default=1, ge=1, description="SP ranks per engine.")
     tensor: int = Field(default=1, ge=1, description="TP ranks per engine.")
-    hsdp: Hsdp = Hsdp()
+    hsdp: Hsdp = Field(default=Hsdp(), description="Hybrid-sharded host weights.")
 
     @property
     def world_size(self) -> int:
@@ -140,13 +230,18 @@ class Parallelism(_Api):
 class RuntimeCache(_Api):
     """The node-local runtime weight cache (no-AllGather only)."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="Serve DiT weights from the node cache.")
     host_path: str = _absolute_path(
         "Node directory holding cache entries; the same path on every node so engines on a "
         "node share one copy.",
         default="/var/cache/dlo-worker",
     )
-    lock_timeout_seconds: float = Field(default=600.0, gt=0, allow_inf_nan=False)
+    lock_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="How long a worker waits for another process building the same entry.",
+    )
     pin_limit_gib: float = Field(
         default=0.0,
         ge=0,
@@ -196,7 +291,9 @@ class Offload(_Api):
     block_paths: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, description="DiT block-list attribute paths (default: discovered)."
     )
-    runtime_cache: RuntimeCache = RuntimeCache()
+    runtime_cache: RuntimeCache = Field(
+        default=RuntimeCache(), description="The node-local runtime weight cache."
+    )
 
 
 class Resources(_Api):
@@ -254,9 +351,27 @@ class NetworkPolicy(_Api):
 
 
 class Scheduling(_Api):
-    node_selector: dict[str, str] | None = None
-    tolerations: list[dict[str, Any]] | None = None
-    affinity: dict[str, Any] | None = None
+    """Where engine Pods may run; the operator adds one Pod per node and warm-node
+    preference on top."""
+
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node labels every worker Pod requires."
+    )
+    tolerations: list[dict[str, Any]] | None = Field(
+        default=None, description="Pod tolerations (also on the cache-warming Jobs)."
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="Extra Pod affinity terms, merged with the operator's own.",
+    )
+    priority_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="PriorityClass of the worker Pods (and the cache-warming Jobs).",
+    )
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None, description="Pod topologySpreadConstraints of the worker Pods."
+    )
     topology_key: str | None = Field(
         default=None,
         description="Node label that keeps all Pods of one engine in one domain "
@@ -271,6 +386,66 @@ class SecretKey(_Api):
     key: str = Field(default="api-key", min_length=1, description="Key inside the Secret.")
 
 
+def _metadata_rule(what: str) -> dict[str, Any]:
+    return _cel(
+        f"self.all(key, !key.startsWith('{RESERVED_METADATA_PREFIX}'))",
+        f"podMetadata.{what}: keys under {RESERVED_METADATA_PREFIX} are the operator's own",
+    )
+
+
+class PodMetadata(_Api):
+    """Labels and annotations added to every worker Pod and cache-warming Pod (mesh
+    injection, cost allocation, policy selectors)."""
+
+    labels: dict[str, str] = Field(
+        default={},
+        max_length=64,
+        description="Extra Pod labels.",
+        json_schema_extra=_metadata_rule("labels"),
+    )
+    annotations: dict[str, str] = Field(
+        default={},
+        max_length=64,
+        description="Extra Pod annotations.",
+        json_schema_extra=_metadata_rule("annotations"),
+    )
+
+
+class Serve(_Api):
+    """How each engine's HTTP server treats requests."""
+
+    max_queued_requests: int = Field(
+        default=64, ge=1, description="Requests waiting beyond this are answered 429."
+    )
+    default_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="Denoising steps of a request that names none (default: 25).",
+    )
+    default_width: int | None = Field(
+        default=None,
+        ge=1,
+        le=8192,
+        description="Image width of a request that names none (default: the pipeline's).",
+    )
+    default_height: int | None = Field(
+        default=None,
+        ge=1,
+        le=8192,
+        description="Image height of a request that names none (default: the pipeline's).",
+    )
+
+
+class Metrics(_Api):
+    """Prometheus metrics of the workers (``/metrics`` on the HTTP port)."""
+
+    scrape_annotations: bool = Field(
+        default=True,
+        description="Annotate worker Pods with prometheus.io/scrape, port and path.",
+    )
+
+
 class DiffusionDeploymentSpec(_Api):
     """The desired state: ``replicas`` independent engines of one model."""
 
@@ -282,10 +457,12 @@ class DiffusionDeploymentSpec(_Api):
         )
     )
 
-    model: ModelSource
-    worker: WorkerImage
+    model: ModelSource = Field(description="The diffusers-format model directory.")
+    worker: WorkerImage = Field(description="The worker container.")
     replicas: int = Field(default=1, ge=0, description="Independent engines.")
-    parallelism: Parallelism = Parallelism()
+    parallelism: Parallelism = Field(
+        default=Parallelism(), description="Parallel sizes of each engine."
+    )
     gpus_per_node: int = Field(
         default=8,
         ge=1,
@@ -297,12 +474,21 @@ class DiffusionDeploymentSpec(_Api):
         description="nvidia-gpu: one nvidia.com/gpu per rank (NCCL); none: CPU ranks with "
         "gloo and no GPU request, for demos and CI (much slower).",
     )
-    dtype: DType = DType.AUTO
-    quantization: Quantization = Quantization.NONE
-    offload: Offload = Offload()
-    resources: Resources = Resources()
+    dtype: DType = Field(
+        default=DType.AUTO, description="Compute dtype (auto: the checkpoint's own)."
+    )
+    quantization: Quantization = Field(
+        default=Quantization.NONE, description="Weight quantization of the streamed DiT blocks."
+    )
+    offload: Offload = Field(default=Offload(), description="Distributed layerwise offload.")
+    resources: Resources = Field(default=Resources(), description="CPU, memory and disk per Pod.")
     shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
-    scheduling: Scheduling = Scheduling()
+    scheduling: Scheduling = Field(default=Scheduling(), description="Where worker Pods run.")
+    pod_metadata: PodMetadata = Field(
+        default=PodMetadata(), description="Extra labels and annotations of the Pods."
+    )
+    serve: Serve = Field(default=Serve(), description="Request handling of each engine.")
+    metrics: Metrics = Field(default=Metrics(), description="Prometheus scraping of the workers.")
     port: int = Field(
         default=8000,
         ge=1,
@@ -327,60 +513,91 @@ class DiffusionDeploymentSpec(_Api):
         description="Worker log level: warning is quiet; info adds the lifecycle (loading, "
         "ready, intake closed, DLO disabled, process groups destroyed) and a line per request.",
     )
-    locked_memory: LockedMemory = LockedMemory.NONE
-    disruption_budget: DisruptionBudget = DisruptionBudget()
-    network_policy: NetworkPolicy = NetworkPolicy()
+    locked_memory: LockedMemory = Field(
+        default=LockedMemory.NONE,
+        description="How workers get a locked-memory limit: None, IpcLock or NriUlimit.",
+    )
+    disruption_budget: DisruptionBudget = Field(
+        default=DisruptionBudget(), description="Engines evictions may take down at once."
+    )
+    network_policy: NetworkPolicy = Field(
+        default=NetworkPolicy(), description="Per-engine network isolation."
+    )
 
 
 class Condition(_Api):
-    type: str
-    status: str = Field(pattern="^(True|False|Unknown)$")
-    reason: str
-    message: str = ""
-    last_transition_time: str
-    observed_generation: int | None = None
+    """A Kubernetes-style condition: Available, Progressing or Degraded."""
+
+    type: str = Field(description="Available, Progressing or Degraded.")
+    status: str = Field(pattern="^(True|False|Unknown)$", description="True, False or Unknown.")
+    reason: str = Field(description="One CamelCase word (docs/operator.md lists them).")
+    message: str = Field(default="", description="What happened, for people.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation this condition describes."
+    )
 
 
 class EngineStatus(_Api):
-    index: int
-    phase: str
-    """Pending, Ready, Updating, Failed, or BackingOff (failed, waiting for its restart)."""
-    pods: list[str] = []
-    restarts: int = 0
-    consecutive_restarts: int = 0
-    """Restarts since the engine last served for 10 minutes: the backoff's exponent."""
-    last_restart_time: str | None = None
-    next_restart_time: str | None = None
-    """While backing off: when the engine is restarted."""
-    reason: str | None = None
-    """Why it does not run: StartupFailed, EngineFailed, ImagePullFailed, ConfigError,
-    Unschedulable (its message says what the worker or the cluster reported)."""
-    message: str | None = None
+    """One engine: its Pods, phase, restarts and why it does not run."""
+
+    index: int = Field(description="Engine number (Pods <name>-e<index>-n<node>).")
+    phase: str = Field(
+        description="Pending, Ready, Updating, Failed, or BackingOff (failed, waiting for "
+        "its restart)."
+    )
+    pods: list[str] = Field(default=[], description="Names of the engine's Pods.")
+    restarts: int = Field(default=0, description="Times the operator restarted the engine.")
+    consecutive_restarts: int = Field(
+        default=0,
+        description="Restarts since the engine last served for 10 minutes: the backoff's exponent.",
+    )
+    last_restart_time: str | None = Field(default=None, description="When it last restarted.")
+    next_restart_time: str | None = Field(
+        default=None, description="While backing off: when the engine is restarted."
+    )
+    reason: str | None = Field(
+        default=None,
+        description="Why it does not run: StartupFailed, EngineFailed, ImagePullFailed, "
+        "VolumeMountFailed, ConfigError, Unschedulable.",
+    )
+    message: str | None = Field(
+        default=None, description="What the worker or the cluster reported."
+    )
 
 
 class CacheNodeStatus(_Api):
-    node: str
-    state: str
-    """Pending, Warming, Warm or Failed."""
-    reason: str = ""
+    """One node's runtime-cache warming."""
+
+    node: str = Field(description="Node name.")
+    state: str = Field(description="Pending, Warming, Warm or Failed.")
+    reason: str = Field(default="", description="Why it is not Warm.")
 
 
 class CacheStatus(_Api):
     """Per-node runtime-cache warming for the current identity."""
 
-    warm_hash: str = ""
-    warm: str = ""
-    """``<warm nodes>/<eligible nodes>`` (a printer column)."""
-    nodes: list[CacheNodeStatus] = []
+    warm_hash: str = Field(default="", description="Hash of the warm Jobs' template.")
+    warm: str = Field(default="", description="<warm nodes>/<eligible nodes> (a printer column).")
+    nodes: list[CacheNodeStatus] = Field(default=[], description="Per-node warming.")
 
 
 class DiffusionDeploymentStatus(_Api):
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
-    """Engines whose Pods all run the current spec."""
-    selector: str = ""
-    observed_generation: int | None = None
-    conditions: list[Condition] = []
-    engines: list[EngineStatus] = []
-    cache: CacheStatus | None = None
+    """What the operator observed; docs/operator.md#status explains every field."""
+
+    replicas: int = Field(default=0, description="Engines that exist.")
+    ready_replicas: int = Field(
+        default=0, description="Engines serving requests (old or current spec)."
+    )
+    updated_replicas: int = Field(
+        default=0, description="Engines whose Pods all run the current spec."
+    )
+    selector: str = Field(default="", description="Label selector of the Pods (scale).")
+    observed_generation: int | None = Field(
+        default=None, description="The spec generation the operator last reconciled."
+    )
+    conditions: list[Condition] = Field(default=[], description="Available, Progressing, Degraded.")
+    engines: list[EngineStatus] = Field(default=[], description="Per-engine status.")
+    cache: CacheStatus | None = Field(
+        default=None, description="Runtime-cache warming (when the cache is enabled)."
+    )

@@ -157,8 +157,13 @@ def custom_resource_definition() -> dict[str, Any]:
                             "description": "A set of DLO diffusion engines serving one model.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
+                                "apiVersion": {
+                                    "type": "string",
+                                    "description": f"{GROUP}/{VERSION}",
+                                },
+                                "kind": {"type": "string", "description": KIND},
+                                # The API server allows nothing else here: kubectl
+                                # explain shows ObjectMeta's own descriptions.
                                 "metadata": {"type": "object"},
                                 "spec": spec_schema,
                                 "status": status_schema,

@@ -146,7 +146,26 @@ def _gib_quantity(value: Decimal) -> str:
 
 def worker_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
     """``serve`` and its flags, generated from the worker's own configuration model."""
-    return ["serve", *to_flags(worker_config(spec)), "--port", str(spec.port)]
+    serve = spec.serve
+    defaults = {
+        "--default-steps": serve.default_steps,
+        "--default-width": serve.default_width,
+        "--default-height": serve.default_height,
+    }
+    return [
+        "serve",
+        *to_flags(worker_config(spec)),
+        "--port",
+        str(spec.port),
+        "--max-queued-requests",
+        str(serve.max_queued_requests),
+        *(
+            item
+            for flag, value in defaults.items()
+            if value is not None
+            for item in (flag, str(value))
+        ),
+    ]
 
 
 def _command(spec: DiffusionDeploymentSpec) -> list[str]:
@@ -188,6 +207,7 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
         "USER": WORKER_USER,
     }
     env: list[dict] = [{"name": key, "value": value} for key, value in values.items()]
+    env += _extra_env(spec)
     if spec.api_key_secret is not None:
         # From the Secret, never on the command line (visible in the process list).
         secret = spec.api_key_secret
@@ -198,6 +218,42 @@ def _env(owner: Owner, spec: DiffusionDeploymentSpec, engine: int, node: int) ->
             }
         )
     return env
+
+
+def _extra_env(spec: DiffusionDeploymentSpec) -> list[dict]:
+    """``worker.env`` as Pod env entries (the API server refused the reserved names)."""
+    return [
+        variable.model_dump(mode="json", by_alias=True, exclude_none=True)
+        for variable in spec.worker.env
+    ]
+
+
+def _platform_fields(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
+    """Pod fields the platform sets, shared by engine Pods and warm Jobs: pull secrets,
+    ServiceAccount and its token, priority, tolerations."""
+    worker, scheduling = spec.worker, spec.scheduling
+    fields: dict[str, Any] = {
+        "automountServiceAccountToken": worker.automount_service_account_token,
+    }
+    if worker.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": s.name} for s in worker.image_pull_secrets]
+    if worker.service_account_name:
+        fields["serviceAccountName"] = worker.service_account_name
+    if scheduling.priority_class_name:
+        fields["priorityClassName"] = scheduling.priority_class_name
+    if scheduling.tolerations:
+        fields["tolerations"] = [dict(t) for t in scheduling.tolerations]
+    return fields
+
+
+def _scrape_annotations(spec: DiffusionDeploymentSpec) -> dict[str, str]:
+    if not spec.metrics.scrape_annotations:
+        return {}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def endpoint_removal_delay(spec: DiffusionDeploymentSpec) -> int:
@@ -409,11 +465,16 @@ def render_pod(
 ) -> dict[str, Any]:
     """One engine Pod; ``warm`` names nodes whose runtime cache holds the entry (preferred)."""
     labels = {
+        **spec.pod_metadata.labels,
         **_engine_labels(owner, engine),
         LABEL_NODE_RANK: str(node),
         LABEL_ROLE: ROLE_LEADER if node == 0 else ROLE_WORKER,
     }
-    annotations = {ANNOTATION_SPEC_HASH: spec_hash(spec)}
+    annotations = {
+        **spec.pod_metadata.annotations,
+        **_scrape_annotations(spec),
+        ANNOTATION_SPEC_HASH: spec_hash(spec),
+    }
     pod_security, container_security = _security_contexts(spec)
     container: dict[str, Any] = {
         "name": CONTAINER,
@@ -446,7 +507,7 @@ def render_pod(
         "subdomain": engine_service_name(owner, engine),
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
-        "automountServiceAccountToken": False,
+        **_platform_fields(spec),
         # Service links would add <SERVICE>_PORT variables next to torch's own environment.
         "enableServiceLinks": False,
         "securityContext": pod_security,
@@ -458,8 +519,10 @@ def render_pod(
         pod_spec["initContainers"] = [_runtime_cache_owner(spec)]
     if spec.scheduling.node_selector:
         pod_spec["nodeSelector"] = dict(spec.scheduling.node_selector)
-    if spec.scheduling.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
+    if spec.scheduling.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [
+            dict(c) for c in spec.scheduling.topology_spread_constraints
+        ]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -576,7 +639,7 @@ def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
+        **_platform_fields(spec),
         "enableServiceLinks": False,
         "securityContext": pod_security,
         "initContainers": [_runtime_cache_owner(spec)],
@@ -589,6 +652,7 @@ def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
                 "env": [
                     {"name": "HOME", "value": WORKER_HOME},
                     {"name": "USER", "value": WORKER_USER},
+                    *_extra_env(spec),
                 ],
                 "resources": resources,
                 "securityContext": container_security,
@@ -597,9 +661,11 @@ def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
         ],
         "volumes": volumes,
     }
-    if spec.scheduling.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in spec.scheduling.tolerations]
-    return {"spec": pod_spec}
+    template: dict[str, Any] = {"spec": pod_spec}
+    for field, values in spec.pod_metadata.model_dump().items():
+        if values:
+            template.setdefault("metadata", {})[field] = values
+    return template
 
 
 def warm_template_hash(spec: DiffusionDeploymentSpec) -> str:
@@ -612,7 +678,7 @@ def render_warm_job(owner: Owner, spec: DiffusionDeploymentSpec, node: str) -> d
     digest = warm_template_hash(spec)
     template = warm_template(spec)
     template["spec"]["nodeName"] = node
-    template["metadata"] = {"labels": {LABEL_WARM_HASH: digest}}
+    template.setdefault("metadata", {}).setdefault("labels", {})[LABEL_WARM_HASH] = digest
     labels = {LABEL_DEPLOYMENT: owner.name, LABEL_WARM_HASH: digest}
     return {
         "apiVersion": "batch/v1",

@@ -43,6 +43,22 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         ({"accelerator": "tpu"}, "spec.accelerator"),
         # The engine looped on EADDRINUSE, restarting every few seconds.
         ({"port": 29500}, "port 29500 is the engine's torch rendezvous port"),
+        (
+            {"worker": {"image": "w", "env": [{"name": "MASTER_PORT", "value": "1"}]}},
+            "worker.env: the operator and torchrun set MASTER_ADDR",
+        ),
+        (
+            {"worker": {"image": "w", "env": [{"name": "DLO_API_KEY", "value": "k"}]}},
+            "every DLO_ or TORCHELASTIC_ variable",
+        ),
+        (
+            {"worker": {"image": "w", "env": [{"name": "A", "value": "1", "valueFrom": {}}]}},
+            "set value or valueFrom, not both",
+        ),
+        (
+            {"podMetadata": {"labels": {"dlo.dev/engine": "7"}}},
+            "podMetadata.labels: keys under dlo.dev/ are the operator's own",
+        ),
     ],
     ids=[
         "world-size",
@@ -54,6 +70,10 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         "quantization",
         "accelerator",
         "rendezvous-port",
+        "reserved-env",
+        "reserved-env-prefix",
+        "env-value-and-value-from",
+        "operator-label",
     ],
 )
 def test_invalid_specs_are_refused_by_the_api_server(

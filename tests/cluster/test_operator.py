@@ -111,6 +111,52 @@ def test_operator_runs_engines_end_to_end(api_client, operator, namespace) -> No
     eventually(lambda: available(1), 120, "Available after the roll")
 
 
+def test_platform_fields_reach_the_pods_and_the_api_server_honours_them(
+    api_client, operator, namespace
+) -> None:
+    """Priority is resolved from the PriorityClass and the ServiceAccount must exist (the API
+    server's admission); its token is still not mounted unless asked for."""
+    suffix = namespace[-12:]
+    client.SchedulingV1Api(api_client).create_priority_class(
+        client.V1PriorityClass(metadata=client.V1ObjectMeta(name=f"dlo-{suffix}"), value=4242)
+    )
+    core = client.CoreV1Api(api_client)
+    core.create_namespaced_service_account(
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="inference"))
+    )
+    try:
+        create(
+            api_client,
+            namespace,
+            manifest(
+                "platform",
+                worker={
+                    "image": "dlo-worker:0.1",
+                    "imagePullSecrets": [{"name": "registry"}],
+                    "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+                    "serviceAccountName": "inference",
+                },
+                scheduling={"priorityClassName": f"dlo-{suffix}"},
+                podMetadata={"labels": {"team": "vision"}, "annotations": {"owner": "vision"}},
+                serve={"maxQueuedRequests": 8},
+            ),
+        )
+        eventually(lambda: len(_pods(api_client, namespace)) == 1, 120, "the engine's Pod")
+        (pod,) = _pods(api_client, namespace)
+        assert pod.spec.priority == 4242
+        assert pod.spec.service_account_name == "inference"
+        assert pod.spec.image_pull_secrets[0].name == "registry"
+        assert not any(v.name.startswith("kube-api-access") for v in pod.spec.volumes)
+        assert pod.metadata.labels["team"] == "vision"
+        assert pod.metadata.annotations["owner"] == "vision"
+        assert pod.metadata.annotations["prometheus.io/scrape"] == "true"
+        (worker,) = pod.spec.containers
+        assert any(e.name == "NCCL_DEBUG" and e.value == "WARN" for e in worker.env)
+        assert worker.command[worker.command.index("--max-queued-requests") + 1] == "8"
+    finally:
+        client.SchedulingV1Api(api_client).delete_priority_class(f"dlo-{suffix}")
+
+
 def test_invalid_spec_creates_nothing_and_reports_why(api_client, operator, namespace) -> None:
     create(
         api_client,

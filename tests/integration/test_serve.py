@@ -77,6 +77,33 @@ def test_served_image_equals_the_generate_command(
     assert digest(out.read_bytes()) == resident_digests[5]
 
 
+def test_serve_defaults_fill_what_a_request_leaves_out_and_are_checked_at_start(
+    demo_model_dir: Path, resident_digests: dict[int, str]
+) -> None:
+    """``--default-steps 3`` makes ``{"seed": 7}`` the resident ``{"seed": 7, "steps": 3}``;
+    a default the pipeline cannot take (DiT draws one size) ends start-up in one line."""
+    port = free_port()
+    command = [sys.executable, "-m", "dlo_worker", *serve_command(demo_model_dir, port)]
+    server = Server([*command, "--default-steps", "3"], port)
+    try:
+        server.wait_ready()
+        defaulted = server.generate({"seed": 7})
+        explicit = server.generate({"seed": 5, "steps": 4})
+    finally:
+        server.stop()
+    assert digest(defaulted.content) == resident_digests[7]
+    assert digest(explicit.content) == resident_digests[5]
+
+    refused = subprocess.run(
+        [*command, "--default-width", "64"], env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "--default-width: DiTPipeline draws 128x128 images only; leave --default-width out" in (
+        refused.stderr
+    )
+
+
 def assert_in_order(log: str, *messages: str) -> None:
     positions = [log.index(f'msg="{message}"') for message in messages]
     assert positions == sorted(positions), list(zip(messages, positions, strict=True))

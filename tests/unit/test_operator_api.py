@@ -49,6 +49,24 @@ def _walk(node: Any):
             yield from _walk(value)
 
 
+def _undescribed(node: dict[str, Any], path: str) -> list[str]:
+    missing = [] if "description" in node else [path.removeprefix("diffusiondeployment")]
+    for name, child in node.get("properties", {}).items():
+        missing += _undescribed(child, f"{path}.{name}")
+    if "items" in node:
+        missing += [
+            p for p in _undescribed(node["items"], f"{path}[]") if "properties" in node["items"]
+        ]
+    return missing
+
+
+def test_kubectl_explain_describes_every_field() -> None:
+    """``kubectl explain`` shows a field's description: every field, spec and status,
+    and each object's fields within lists, has one."""
+    schema = custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _undescribed(schema, "diffusiondeployment") == [".metadata"]  # ObjectMeta's own
+
+
 def test_schema_is_structural() -> None:
     schema = custom_resource_definition()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for node in _walk(schema):

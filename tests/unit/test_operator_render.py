@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dlo_operator.api import DiffusionDeploymentSpec
+from dlo_operator.api import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES, DiffusionDeploymentSpec
 from dlo_operator.render import (
     ANNOTATION_SPEC_HASH,
     LABEL_ROLE,
@@ -121,14 +121,21 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         spec(offload={"useAllGather": False, "gpuMemoryBudgetGiB": 40}),
         spec(offload={"allGatherShardBuffers": 2}),
         spec(accelerator="none", gpusPerNode=2),
+        spec(serve={"maxQueuedRequests": 8, "defaultSteps": 12, "defaultWidth": 512}),
     ):
         arguments = worker_arguments(variant)
         served = build_parser().parse_args(arguments)
         assert served.command == "serve"
         assert served.port == 8000
+        assert served.max_queued_requests == variant.serve.max_queued_requests
+        assert (served.default_steps, served.default_width, served.default_height) == (
+            variant.serve.default_steps,
+            variant.serve.default_width,
+            variant.serve.default_height,
+        )
         assert config_from_args(served) == worker_config(variant)
-        assert arguments[-2:] == ["--port", "8000"]
-        assert worker_main(["config", *arguments[1:-2]]) == 0
+        configuration = arguments[1 : arguments.index("--port")]
+        assert worker_main(["config", *configuration]) == 0
         printed = json.loads(capsys.readouterr().out)["config"]
         assert printed == worker_config(variant).model_dump(mode="json")
 
@@ -234,6 +241,81 @@ def test_worker_pods_are_hardened_by_default() -> None:
     assert mounts["model"]["readOnly"] is True
     writable = {v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
     assert writable == {"dshm", "tmp", "home"}
+
+
+PLATFORM = {
+    "worker": {
+        "image": "registry.example/dlo-worker:0.1",
+        "imagePullSecrets": [{"name": "registry"}],
+        "env": [
+            {"name": "NCCL_DEBUG", "value": "WARN"},
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        ],
+        "serviceAccountName": "inference",
+    },
+    "scheduling": {
+        "priorityClassName": "inference-high",
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+            }
+        ],
+    },
+    "podMetadata": {
+        "labels": {"team": "vision"},
+        "annotations": {"sidecar.istio.io/inject": "false"},
+    },
+}
+
+
+def test_platform_fields_reach_engine_pods_and_warm_jobs() -> None:
+    variant = spec(**PLATFORM, offload={"useAllGather": False, "runtimeCache": {"enabled": True}})
+    pod = leader(variant)
+    (job,) = by_kind(render_children(OWNER, variant, warm_on=["node-a"]), "Job")
+    for pod_spec, metadata, worker in (
+        (pod["spec"], pod["metadata"], container(pod)),
+        (
+            job["spec"]["template"]["spec"],
+            job["spec"]["template"]["metadata"],
+            job["spec"]["template"]["spec"]["containers"][0],
+        ),
+    ):
+        assert pod_spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert pod_spec["serviceAccountName"] == "inference"
+        assert pod_spec["automountServiceAccountToken"] is False  # the name alone mounts nothing
+        assert pod_spec["priorityClassName"] == "inference-high"
+        assert metadata["labels"]["team"] == "vision"
+        assert metadata["annotations"]["sidecar.istio.io/inject"] == "false"
+        assert {"name": "NCCL_DEBUG", "value": "WARN"} in worker["env"]
+        assert {
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}},
+        } in worker["env"]
+    assert pod["spec"]["topologySpreadConstraints"][0]["maxSkew"] == 1
+    assert pod["metadata"]["labels"]["dlo.dev/engine"] == "0"
+    asked = spec(worker={**PLATFORM["worker"], "automountServiceAccountToken": True})
+    assert leader(asked)["spec"]["automountServiceAccountToken"] is True
+
+
+def test_every_variable_the_operator_renders_is_reserved() -> None:
+    """A user variable may not shadow one the operator sets (the CRD refuses those names)."""
+    variant = spec(apiKeySecret={"name": "key"})
+    rendered = {item["name"] for item in container(leader(variant))["env"]}
+    assert rendered - set(RESERVED_ENV_NAMES) == {"DLO_LOG_LEVEL", "DLO_API_KEY"}
+    assert all(
+        name.startswith(RESERVED_ENV_PREFIXES) for name in rendered - set(RESERVED_ENV_NAMES)
+    )
+
+
+def test_worker_pods_carry_prometheus_scrape_annotations_unless_turned_off() -> None:
+    annotations = leader(spec(port=9000))["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "9000"
+    assert annotations["prometheus.io/path"] == "/metrics"
+    quiet = leader(spec(metrics={"scrapeAnnotations": False}))["metadata"]["annotations"]
+    assert not any(key.startswith("prometheus.io/") for key in quiet)
 
 
 def test_runtime_cache_directory_is_handed_to_the_worker_user() -> None:

@@ -6,7 +6,14 @@ import dataclasses
 
 import pytest
 
-from dlo_worker.requests import GenerationRequest, Guidance, RequestLimits, request_problems
+from dlo_worker.requests import (
+    GenerationRequest,
+    Guidance,
+    RequestDefaults,
+    RequestLimits,
+    defaults_problems,
+    request_problems,
+)
 
 DIT = RequestLimits("DiTPipeline", "class", 1000, takes_num_images=True, default_size=(256, 256))
 FLUX = RequestLimits(
@@ -121,3 +128,19 @@ def test_sequence_parallelism_needs_a_patch_count_that_splits_over_the_sp_ranks(
         )
         == []
     )
+
+
+def test_server_defaults_fill_only_the_fields_a_request_leaves_out() -> None:
+    defaults = RequestDefaults(steps=8, width=512)
+    filled = defaults.apply(GenerationRequest(seed=3, width=768))
+    assert (filled.steps, filled.width, filled.height, filled.seed) == (8, 768, None, 3)
+    assert {"steps", "width", "seed"} <= filled.model_fields_set  # checked like sent values
+    assert defaults.apply(GenerationRequest(steps=2)).steps == 2
+
+
+def test_server_defaults_the_pipeline_cannot_take_name_their_flags() -> None:
+    assert defaults_problems(RequestDefaults(steps=8, width=512, height=768), FLUX) == []
+    (problem,) = defaults_problems(RequestDefaults(width=500), FLUX)
+    assert problem.startswith("--default-width: 500 is not a multiple of 16")
+    (problem,) = defaults_problems(RequestDefaults(height=256), DIT)
+    assert problem.startswith("--default-height: DiTPipeline draws 256x256 images only")

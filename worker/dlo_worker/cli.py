@@ -33,7 +33,7 @@ from dlo_worker.config import (
     flag_for,
 )
 from dlo_worker.errors import UserFixableError
-from dlo_worker.requests import GenerationRequest
+from dlo_worker.requests import GenerationRequest, RequestDefaults
 from dlo_worker.termination import write_termination_message
 
 if TYPE_CHECKING:
@@ -284,12 +284,30 @@ def _command_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_queued_requests=args.max_queued_requests,
         api_key=api_key.strip() if api_key else None,
+        defaults=_request_defaults(args),
     )
     serve(config, options)
     from dlo_worker.launch import record_exit
 
     record_exit(0)  # the drain finished: under `launch`, the Pod ends Succeeded
     return 0
+
+
+def _request_defaults(args: argparse.Namespace) -> RequestDefaults:
+    """``--default-*`` as request defaults, held to the request schema's bounds."""
+    given = {
+        field: getattr(args, f"default_{field}")
+        for field in ("steps", "width", "height")
+        if getattr(args, f"default_{field}") is not None
+    }
+    try:
+        GenerationRequest.model_validate(given)
+    except ValidationError as error:
+        problems = [
+            f"--default-{problem['loc'][0]}: {problem['msg']}" for problem in error.errors()
+        ]
+        raise UsageError("; ".join(problems)) from None
+    return RequestDefaults(**given)
 
 
 def _command_launch(args: argparse.Namespace) -> int:
@@ -489,6 +507,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="Requests waiting beyond this get 429 (default: 64).",
     )
+    serve_parser.add_argument(
+        "--default-steps",
+        type=_positive_int,
+        help="Denoising steps of a request that names none (default: 25).",
+    )
+    for side in ("width", "height"):
+        serve_parser.add_argument(
+            f"--default-{side}",
+            type=_positive_int,
+            help=f"Image {side} of a request that names none (default: the pipeline's).",
+        )
     for prefix, model in _CONFIG_GROUPS.items():
         _add_model_fields(serve_parser, prefix, model, f"{prefix} options")
     serve_parser.set_defaults(handler=_command_serve)

@@ -40,7 +40,13 @@ from dlo_worker.engine import (
     RequestQueue,
 )
 from dlo_worker.openai_images import IMAGES_PATH, ImagesRequest, error_body, images_response
-from dlo_worker.requests import GenerationRequest, RequestLimits, request_problems
+from dlo_worker.requests import (
+    NO_DEFAULTS,
+    GenerationRequest,
+    RequestDefaults,
+    RequestLimits,
+    request_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +81,19 @@ class ServerState:
     """What the probes report; flipped by the serving lifecycle, read by the handlers."""
 
     def __init__(
-        self, queue: RequestQueue | None, api_key: str | None = None, model_name: str = "model"
+        self,
+        queue: RequestQueue | None,
+        api_key: str | None = None,
+        model_name: str = "model",
+        defaults: RequestDefaults = NO_DEFAULTS,
     ) -> None:
         self.queue = queue
         self.api_key = api_key
         """When set, generation routes need ``Authorization: Bearer <api_key>``."""
         self.model_name = model_name
         """The id ``/v1/models`` lists and OpenAI requests may name."""
+        self.defaults = defaults
+        """Values for the fields a request leaves out (``serve --default-*``)."""
         self._phase = Phase.LOADING
         self._limits: RequestLimits | None = None
         self._lock = threading.Lock()
@@ -197,9 +209,7 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
     @app.post(GENERATE_PATH)
     async def generate(request: Request) -> Response:
         queue = _admitted_queue(request, state)
-        generation = _checked(
-            _parse(await _read_body(request, limits), GenerationRequest), state.limits
-        )
+        generation = _checked(_parse(await _read_body(request, limits), GenerationRequest), state)
         pngs = await _run(request, queue, generation)
         headers = {"X-DLO-Seed": str(generation.seed)}
         if len(pngs) == 1:
@@ -217,7 +227,7 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
                 f"model: this worker serves {state.model_name!r}, not {body.model!r}",
                 outcome="rejected_invalid",
             )
-        generation = _checked(_validated(body.generation_request), state.limits)
+        generation = _checked(_validated(body.generation_request), state)
         pngs = await _run(request, queue, generation)
         return JSONResponse(images_response(pngs, created=int(time.time())))
 
@@ -318,8 +328,11 @@ def _validated(build: Callable[[], Body]) -> Body:
         raise APIError(422, describe_body_error(error), outcome="rejected_invalid") from None
 
 
-def _checked(generation: GenerationRequest, limits: RequestLimits | None) -> GenerationRequest:
-    """The request, if the loaded pipeline can take it; otherwise 422 naming the fields."""
+def _checked(generation: GenerationRequest, state: ServerState) -> GenerationRequest:
+    """The request with the server's defaults, if the loaded pipeline can take it;
+    otherwise 422 naming the fields."""
+    generation = state.defaults.apply(generation)
+    limits = state.limits
     if limits is not None and (problems := request_problems(generation, limits)):
         raise APIError(422, "; ".join(problems), outcome="rejected_invalid")
     return generation

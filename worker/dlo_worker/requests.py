@@ -98,6 +98,48 @@ class Guidance(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class RequestDefaults:
+    """The server's values for fields a request leaves out (``serve --default-*``).
+
+    Applied before the request is checked, so a default is held to the same limits as a
+    value the client sent; :func:`defaults_problems` checks them once at start-up.
+    """
+
+    steps: int | None = None
+    width: int | None = None
+    height: int | None = None
+
+    def apply(self, request: GenerationRequest) -> GenerationRequest:
+        given = request.model_dump(exclude_unset=True)
+        defaults = {
+            field: value
+            for field, value in vars(self).items()
+            if value is not None and field not in given
+        }
+        if not defaults:
+            return request
+        return GenerationRequest.model_validate({**defaults, **given})
+
+
+NO_DEFAULTS = RequestDefaults()
+"""Every field a request leaves out takes the schema's default."""
+
+
+def defaults_problems(defaults: RequestDefaults, limits: RequestLimits) -> list[str]:
+    """What the loaded pipeline refuses in the server's defaults, naming their flags."""
+    problems = []
+    for problem in request_problems(defaults.apply(GenerationRequest()), limits):
+        for field in vars(defaults):
+            problem = problem.replace(f"leave {field} out", f"leave --default-{field} out")
+        if problem.startswith("width x height"):
+            problem = problem.replace("width x height", "--default-width x --default-height", 1)
+        else:
+            problem = f"--default-{problem}"
+        problems.append(problem)
+    return problems
+
+
+@dataclass(frozen=True)
 class RequestLimits:
     """What the loaded pipeline accepts (derived once after loading; pure to check)."""
 

@@ -22,6 +22,7 @@ from dlo_worker.config import ShardingGroup, WorkerConfig
 from dlo_worker.engine import Engine, RequestQueue
 from dlo_worker.errors import UserFixableError
 from dlo_worker.generate import request_limits
+from dlo_worker.requests import NO_DEFAULTS, RequestDefaults, defaults_problems
 from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
 from dlo_worker.worker import Worker
 
@@ -39,6 +40,12 @@ class ServeOptions:
     max_queued_requests: int = 64
     api_key: str | None = None
     """Required as ``Authorization: Bearer`` on POST routes; health and metrics stay open."""
+    defaults: RequestDefaults = NO_DEFAULTS
+    """Values for the fields a request leaves out."""
+
+
+class ServeDefaultsError(UserFixableError):
+    """A ``--default-*`` value the loaded pipeline cannot take."""
 
 
 def lockstep_waves(config: WorkerConfig) -> bool:
@@ -71,7 +78,9 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     queue = RequestQueue(options.max_queued_requests) if rank == 0 else None
-    state = ServerState(queue, options.api_key, model_name=served_model_name(config))
+    state = ServerState(
+        queue, options.api_key, model_name=served_model_name(config), defaults=options.defaults
+    )
     server = _listen(options, state) if local_rank == 0 else None
     if server is not None:
         server.start()
@@ -97,9 +106,10 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
                 "host backing",
                 extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
             )
-            state.set_limits(
-                request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
-            )
+            limits = request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
+            if problems := defaults_problems(options.defaults, limits):
+                raise ServeDefaultsError("; ".join(problems))
+            state.set_limits(limits)
             if queue is not None:
                 queue.open()
             state.set_phase(Phase.READY)
