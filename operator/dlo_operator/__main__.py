@@ -1,7 +1,8 @@
 """``dlo-operator`` (or ``python -m dlo_operator``): run the kopf operator.
 
 Watches every namespace unless ``--namespace`` is given; ``--liveness`` serves
-kopf's health endpoint for the Deployment's liveness probe.
+kopf's health endpoint for the Deployment's liveness probe, ``--metrics-port`` the
+operator's Prometheus metrics (:mod:`dlo_operator.metrics`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import logging
 
 import kopf
+import prometheus_client
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,6 +27,12 @@ def main(argv: list[str] | None = None) -> None:
         default="http://0.0.0.0:8080/healthz",
         help="Liveness endpoint URL (default: %(default)s).",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="Port of the Prometheus /metrics endpoint; 0 turns it off (default: %(default)s).",
+    )
     parser.add_argument("--verbose", action="store_true", help="Log every handler run.")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -32,6 +40,11 @@ def main(argv: list[str] | None = None) -> None:
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
     )
     import dlo_operator.handlers  # noqa: F401 (registers the handlers with kopf)
+
+    if args.metrics_port:
+        # The process's own collectors (python_info, gc, process) stay: they are the
+        # operator's, where the worker drops them as noise in every engine's scrape.
+        prometheus_client.start_http_server(args.metrics_port)
 
     kopf.run(
         standalone=True,

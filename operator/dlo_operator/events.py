@@ -16,6 +16,8 @@ from typing import Any
 
 from kubernetes import client
 
+from dlo_operator import metrics
+
 logger = logging.getLogger(__name__)
 
 COMPONENT = "dlo-operator"
@@ -64,6 +66,7 @@ def post_event(
     )
     try:
         client.CoreV1Api(api).create_namespaced_event(body["metadata"]["namespace"], manifest)
+        metrics.EVENTS.labels(reason=reason).inc()
     except Exception as error:  # an Event lost must not fail the pass that made the change
         metadata = body["metadata"]
         logger.warning(

@@ -29,6 +29,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 from pydantic import ValidationError
 
+from dlo_operator import metrics
 from dlo_operator.api import (
     GROUP,
     PLURAL,
@@ -359,6 +360,7 @@ _passes = Coalescer()
 one deployment must not overlap, and requests during a pass fold into one more."""
 _queue = WorkQueue()
 """Deployments whose children changed (:mod:`dlo_operator.workqueue`)."""
+metrics.QUEUE_DEPTH.set_function(lambda: len(_queue))
 QUEUE_WORKERS = 4
 """Threads running queued passes: each pass waits on a handful of API calls, so a few
 in flight keep the API server, not the operator, the limit."""
@@ -399,13 +401,18 @@ def sync(name: str, namespace: str) -> list[ApplyFailure]:
     key = (namespace, name)
 
     def one_pass() -> list[ApplyFailure]:
+        started = time.monotonic()
         try:
             failures = _sync(name, namespace)
         except Exception:
             # The timer's next tick retries (as after a refusal).
             _last_passes[key] = _LastPass(time.monotonic(), refused=True)
+            metrics.PASSES.labels(outcome="error").inc()
             raise
+        finally:
+            metrics.PASS_SECONDS.observe(time.monotonic() - started)
         _last_passes[key] = _LastPass(time.monotonic(), bool(failures))
+        metrics.PASSES.labels(outcome="refused" if failures else "ok").inc()
         return failures
 
     return _passes.run(key, one_pass) or []

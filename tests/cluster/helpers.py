@@ -125,11 +125,13 @@ def running_operator(kubeconfig: str, log_path: Path, *set_values: str) -> Itera
     """``dlo-operator`` as a process with exactly the arguments the chart renders.
 
     ``set_values`` are chart values (``helm --set``); none means the default install
-    (every namespace). The liveness port is the one value always set, to a free port.
-    Yields the arguments.
+    (every namespace). The liveness and metrics ports are the values always set, to free
+    ports. Yields the arguments.
     """
     port = free_port()
-    arguments = chart_operator_arguments(f"livenessPort={port}", *set_values)
+    arguments = chart_operator_arguments(
+        f"livenessPort={port}", f"metrics.port={free_port()}", *set_values
+    )
     url = f"http://127.0.0.1:{port}/healthz"
     with log_path.open("a") as log:
         process = subprocess.Popen(
@@ -151,6 +153,13 @@ def running_operator(kubeconfig: str, log_path: Path, *set_values: str) -> Itera
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+
+
+def operator_metrics(arguments: list[str]) -> str:
+    """The text of the running operator's ``/metrics`` (its port from ``arguments``)."""
+    (port,) = [a.split("=", 1)[1] for a in arguments if a.startswith("--metrics-port=")]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return response.read().decode()
 
 
 def events(api_client, namespace: str, name: str, kind: str = "DiffusionDeployment") -> list[str]:

@@ -19,7 +19,14 @@ from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from tests.cluster.control_plane import ClusterState, down, up
-from tests.cluster.helpers import CHART, cluster_tool, eventually, running_operator
+from tests.cluster.helpers import (
+    CHART,
+    cluster_tool,
+    create,
+    eventually,
+    manifest,
+    running_operator,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
 RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
@@ -134,3 +141,117 @@ def test_default_install_reconciles_the_example_in_a_namespace_created_later(
     assert forbidden == []
     tracebacks = [line for line in log.read_text().splitlines() if "Traceback" in line]
     assert tracebacks == []
+
+
+def test_a_second_operator_over_the_same_namespaces_is_refused(
+    chart_cluster, installed, tmp_path: Path
+) -> None:
+    """A second release with crd.install=false started a second cluster-wide operator,
+    and two operators reconciled the same deployments."""
+    result = tool(
+        chart_cluster,
+        "helm",
+        "install",
+        "second",
+        str(CHART),
+        "--namespace",
+        "second-system",
+        "--create-namespace",
+        "--set",
+        "crd.install=false",
+        "--set",
+        "watchNamespaces={tenant}",
+        home=tmp_path,
+    )
+    assert result.returncode != 0
+    assert (
+        f"watchNamespaces: release {RELEASE} in namespace {OPERATOR_NAMESPACE} already runs a "
+        "dlo-operator watching every namespace"
+    ) in result.stderr
+    deployments = client.AppsV1Api(installed).list_namespaced_deployment("second-system")
+    assert deployments.items == []
+
+
+def test_watched_namespaces_get_a_role_each_and_nothing_beyond_them(
+    chart_cluster, installed, tmp_path: Path
+) -> None:
+    """With watchNamespaces the operator's namespaced permissions are Roles in those
+    namespaces: it reconciles there, cannot read Pods elsewhere, and logs no refusal."""
+    core = client.CoreV1Api(installed)
+    for name in ("watched", "unwatched", "elsewhere"):
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    upgraded = tool(
+        chart_cluster,
+        "helm",
+        "upgrade",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--set",
+        "watchNamespaces={watched}",
+        home=tmp_path,
+    )
+    assert upgraded.returncode == 0, upgraded.stderr
+    try:
+        kubeconfig = _service_account_kubeconfig(installed, chart_cluster, tmp_path / "sa.json")
+        restricted = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+        restricted.list_namespaced_pod("watched")
+        for forbidden in (
+            lambda: restricted.list_namespaced_pod("unwatched"),
+            restricted.list_pod_for_all_namespaces,
+        ):
+            with pytest.raises(client.ApiException) as denied:
+                forbidden()
+            assert denied.value.status == 403
+
+        log = tmp_path / "operator.log"
+        with running_operator(str(kubeconfig), log, "watchNamespaces={watched}") as arguments:
+            assert "--namespace=watched" in arguments
+            # Small CPU engines: the example of the test above still holds the nodes' GPUs.
+            small = manifest(
+                "small",
+                accelerator="none",
+                gpusPerNode=1,
+                parallelism={"data": 1},
+                resources={"cpu": "100m", "memory": "1Gi"},
+                shmSize="256Mi",
+            )
+            for namespace in ("watched", "unwatched"):
+                create(installed, namespace, small)
+
+            def ready(namespace: str) -> int:
+                body = client.CustomObjectsApi(installed).get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, "small"
+                )
+                return (body.get("status") or {}).get("readyReplicas", 0)
+
+            eventually(lambda: ready("watched") == 1, 120, "the engine Available in watched")
+            assert ready("unwatched") == 0
+            assert core.list_namespaced_pod("unwatched").items == []
+        lines = log.read_text().splitlines()
+        assert [line for line in lines if re.search(r"\b403\b|Forbidden", line)] == []
+
+        # Disjoint namespaces: a second operator is allowed.
+        second = tool(
+            chart_cluster,
+            "helm",
+            "install",
+            "second",
+            str(CHART),
+            "--namespace",
+            "second-system",
+            "--create-namespace",
+            "--set",
+            "crd.install=false",
+            "--set",
+            "watchNamespaces={elsewhere}",
+            home=tmp_path,
+        )
+        assert second.returncode == 0, second.stderr
+        tool(chart_cluster, "helm", "uninstall", "second", "-n", "second-system", home=tmp_path)
+    finally:
+        for namespace in ("watched", "unwatched"):
+            client.CustomObjectsApi(installed).delete_collection_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL
+            )

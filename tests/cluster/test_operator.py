@@ -23,6 +23,7 @@ from tests.cluster.helpers import (
     events,
     eventually,
     manifest,
+    operator_metrics,
     request_totals,
     running_operator,
 )
@@ -478,6 +479,20 @@ def test_restarts_and_rolls_post_their_events_once_also_from_queued_passes(
         return {reason: reasons.count(reason) for reason in sorted(set(reasons))}
 
     eventually(lambda: posted() == expected, 30, f"the Events {expected}")
+
+    # The operator's own metrics saw the same work.
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in operator_metrics(operator).splitlines()
+        if line.startswith("dlo_operator_")
+    }
+    assert samples['dlo_operator_events_total{reason="RollingUpdateComplete"}'] >= 1
+    assert samples['dlo_operator_reconcile_passes_total{outcome="ok"}'] >= 1
+    assert (
+        samples["dlo_operator_reconcile_pass_duration_seconds_count"]
+        >= samples['dlo_operator_reconcile_passes_total{outcome="ok"}']
+    )
+    assert "dlo_operator_work_queue_depth" in samples
     time.sleep(15)  # a timer tick or more: nothing is posted twice
     assert posted() == expected
 

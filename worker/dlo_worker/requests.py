@@ -12,6 +12,7 @@ a string or a boolean; the CLI's flags arrive as text and are parsed as numbers.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,16 +128,19 @@ NO_DEFAULTS = RequestDefaults()
 
 def defaults_problems(defaults: RequestDefaults, limits: RequestLimits) -> list[str]:
     """What the loaded pipeline refuses in the server's defaults, naming their flags."""
-    problems = []
-    for problem in request_problems(defaults.apply(GenerationRequest()), limits):
-        for field in vars(defaults):
-            problem = problem.replace(f"leave {field} out", f"leave --default-{field} out")
-        if problem.startswith("width x height"):
-            problem = problem.replace("width x height", "--default-width x --default-height", 1)
-        else:
-            problem = f"--default-{problem}"
-        problems.append(problem)
-    return problems
+    return [
+        _in_flag_terms(problem, fields=vars(defaults))
+        for problem in request_problems(defaults.apply(GenerationRequest()), limits)
+    ]
+
+
+def _in_flag_terms(problem: str, fields: Iterable[str]) -> str:
+    """A request problem about defaulted fields, naming ``--default-<field>`` instead."""
+    for field in fields:
+        problem = problem.replace(f"leave {field} out", f"leave --default-{field} out")
+    if problem.startswith("width x height"):
+        return problem.replace("width x height", "--default-width x --default-height", 1)
+    return f"--default-{problem}"
 
 
 @dataclass(frozen=True)
