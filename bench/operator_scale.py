@@ -136,7 +136,7 @@ def run_once(count: int, steady_s: float, settle_s: float, work: Path) -> dict:
         )
         time.sleep(3)  # the CRD established and discovered
         port = free_port()
-        arguments = chart_operator_arguments(f"livenessPort={port}")
+        arguments = chart_operator_arguments(f"livenessPort={port}", f"metrics.port={free_port()}")
         log = (directory / "operator.log").open("w")
         operator = subprocess.Popen(
             [sys.executable, "-m", "dlo_operator", *arguments],

@@ -7,9 +7,12 @@ visible only in Pod events and in the logs of Pods deleted seconds later, while 
 deployment looked Healthy and its engine restarted every few seconds. The worker writes
 its one-line error to ``/dev/termination-log`` (and the container falls back to its last
 log lines), so the terminated state carries the cause; the waiting state and the Pod's
-``PodScheduled`` condition carry the others. Restarts of an engine that keeps failing
-back off exponentially, as a kubelet's CrashLoopBackOff does, and the backoff resets
-once the engine has served for :data:`BACKOFF_RESET_S`.
+``PodScheduled`` condition carry the others. A volume that cannot be mounted (a
+missing model directory, a PVC that does not bind) leaves the Pod ``ContainerCreating``
+and is reported only in the Pod's ``FailedMount`` Events: a Pod stuck creating longer
+than :data:`MOUNT_REPORT_AFTER_S` has its Events read (:func:`mount_problem`). Restarts
+of an engine that keeps failing back off exponentially, as a kubelet's CrashLoopBackOff
+does, and the backoff resets once the engine has served for :data:`BACKOFF_RESET_S`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ IMAGE_PULL_REASONS = frozenset(
 )
 CONFIG_REASONS = frozenset({"CreateContainerConfigError", "CreateContainerError"})
 MAX_MESSAGE_CHARACTERS = 400
+CREATING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+MOUNT_EVENT_REASONS = frozenset({"FailedMount", "FailedAttachVolume", "FailedMapVolume"})
+MOUNT_REPORT_AFTER_S = 20.0
+"""A Pod still creating its containers this long after it was scheduled has its Events
+read: the kubelet retries a failed mount, so a first failure may clear by itself."""
 
 BACKOFF_BASE_S = 10.0
 BACKOFF_MAX_S = 300.0
@@ -38,8 +46,9 @@ class PodProblem:
     cluster or the worker said."""
 
     reason: str
-    """``ImagePullFailed``, ``ConfigError``, ``Unschedulable`` or ``Exited`` (a container
-    ended with a non-zero exit: reconcile calls it ``StartupFailed`` or ``EngineFailed``)."""
+    """``ImagePullFailed``, ``ConfigError``, ``Unschedulable``, ``VolumeMountFailed`` or
+    ``Exited`` (a container ended with a non-zero exit: reconcile calls it
+    ``StartupFailed`` or ``EngineFailed``)."""
     message: str
 
 
@@ -69,6 +78,36 @@ def pod_problem(status: Mapping[str, Any]) -> PodProblem | None:
         ):
             return PodProblem("Unschedulable", _cut(condition.get("message") or "unschedulable"))
     return None
+
+
+def creating_since(status: Mapping[str, Any]) -> datetime.datetime | None:
+    """When the Pod was scheduled, if its containers are still being created (volumes
+    mounting, images pulling) and nothing else explains the wait."""
+    scheduled = next(
+        (
+            c
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "True"
+        ),
+        None,
+    )
+    containers = [
+        *(status.get("initContainerStatuses") or []),
+        *(status.get("containerStatuses") or []),
+    ]
+    waiting = [((c.get("state") or {}).get("waiting") or {}).get("reason") for c in containers]
+    if scheduled is None or not any(reason in CREATING_REASONS for reason in waiting):
+        return None
+    return parse_time(scheduled.get("lastTransitionTime"))
+
+
+def mount_problem(events: list[Mapping[str, Any]]) -> PodProblem | None:
+    """The latest volume failure among one Pod's Events, if any."""
+    failures = [e for e in events if e.get("reason") in MOUNT_EVENT_REASONS]
+    if not failures:
+        return None
+    latest = max(failures, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return PodProblem("VolumeMountFailed", _cut(f"{latest['reason']}: {latest.get('message', '')}"))
 
 
 def _said(container: str, what: str, state: Mapping[str, Any]) -> str:

@@ -17,6 +17,8 @@ Run it with ``dlo-operator`` (:mod:`dlo_operator.__main__`).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 import json
 import logging
@@ -40,7 +42,7 @@ from dlo_operator.api import (
 from dlo_operator.coalesce import Coalescer
 from dlo_operator.events import post_event
 from dlo_operator.expectations import PodExpectations
-from dlo_operator.failures import parse_time
+from dlo_operator.failures import MOUNT_REPORT_AFTER_S, mount_problem, parse_time
 from dlo_operator.reconcile import (
     Actions,
     ApplyFailure,
@@ -122,9 +124,7 @@ def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     if not any(isinstance(f, DrainWaitIsNotAnError) for f in objects.filters):
         objects.addFilter(DrainWaitIsNotAnError())
     # kopf hands its (live) indexes to every handler; the queue's threads read them here.
-    _indexes.update(
-        {index: kwargs[index] for index in (POD_INDEX, *(k.index for k in _CHILD_KINDS.values()))}
-    )
+    _indexes.update({index: kwargs[index] for index in INDEXES})
     start_workers(_queue, lambda key: sync(key[1], key[0]), QUEUE_WORKERS, name="dlo-reconcile")
 
 
@@ -170,6 +170,8 @@ _CHILD_KINDS = {
     ),
 }
 POD_INDEX = "deployment_pods"
+DEPLOYMENT_INDEX = "deployments"
+INDEXES = (DEPLOYMENT_INDEX, POD_INDEX, *(kind.index for kind in _CHILD_KINDS.values()))
 _indexes: dict[str, Any] = {}
 """kopf's live indexes by id, set at startup. kopf fills them from the watches it runs
 anyway (for the event handlers below) and holds every handler back until their first
@@ -197,6 +199,11 @@ async def _index_child(
     return {(namespace, labels[LABEL_DEPLOYMENT]): (child, job)}
 
 
+async def _index_deployment(namespace: str, name: str, body: Any, **_: Any) -> dict:
+    return {(namespace, name): copy.deepcopy(dict(body))}
+
+
+kopf.index(GROUP, VERSION, PLURAL, id=DEPLOYMENT_INDEX)(_index_deployment)
 kopf.index("", "v1", "pods", id=POD_INDEX, labels={LABEL_DEPLOYMENT: kopf.PRESENT})(_index_pod)
 for _kind, _child in _CHILD_KINDS.items():
     kopf.index(
@@ -213,7 +220,48 @@ def _indexed(index: str, key: tuple[str, str]) -> list[Any]:
 
 def _observe_pods(name: str, namespace: str) -> list[ObservedPod]:
     key = (namespace, name)
-    return _expectations.overlay(key, _indexed(POD_INDEX, key), time.monotonic())
+    pods = _expectations.overlay(key, _indexed(POD_INDEX, key), time.monotonic())
+    now = datetime.datetime.now(datetime.UTC)
+    if any(_mount_suspect(pod, now) for pod in pods):
+        _mount_checks[key] = time.monotonic()
+        pods = [
+            _with_mount_problem(namespace, pod) if _mount_suspect(pod, now) else pod for pod in pods
+        ]
+    return pods
+
+
+_mount_checks: dict[tuple[str, str], float] = {}
+"""When each deployment's stuck Pods last had their Events read (``time.monotonic()``)."""
+MOUNT_RECHECK_S = 30.0
+
+
+def _mount_suspect(pod: ObservedPod, now: datetime.datetime) -> bool:
+    """Still creating its containers well after it was scheduled, for no reason its
+    status gives: the kubelet may be failing to mount a volume."""
+    since = pod.creating_since
+    return (
+        pod.problem is None
+        and since is not None
+        and (now - since).total_seconds() >= MOUNT_REPORT_AFTER_S
+    )
+
+
+def _mount_check_due(key: tuple[str, str], now: float) -> bool:
+    """Whether the timer runs a pass to read stuck Pods' Events: their status will not
+    change, so no event triggers it."""
+    wall = datetime.datetime.now(datetime.UTC)
+    if not any(_mount_suspect(pod, wall) for pod in _indexed(POD_INDEX, key)):
+        return False
+    return now - _mount_checks.get(key, -MOUNT_RECHECK_S) >= MOUNT_RECHECK_S
+
+
+def _with_mount_problem(namespace: str, pod: ObservedPod) -> ObservedPod:
+    """The Pod with the volume failure its Events report, if any."""
+    found = client.CoreV1Api(api()).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.kind=Pod,involvedObject.name={pod.name}"
+    )
+    problem = mount_problem(api().sanitize_for_serialization(found.items))
+    return dataclasses.replace(pod, problem=problem) if problem else pod
 
 
 def _observe_children(name: str, namespace: str) -> list[ObservedChild]:
@@ -366,20 +414,35 @@ QUEUE_WORKERS = 4
 in flight keep the API server, not the operator, the limit."""
 
 
+_written: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+"""The status this operator last wrote per deployment, with the deployment's uid. The
+operator is the status's only writer, so this is the current status even when the watch
+has not delivered it yet (the deployment's body comes from the watch, not a GET)."""
+
+
+def _current_status(key: tuple[str, str], body: dict[str, Any]) -> dict[str, Any]:
+    written = _written.get(key)
+    if written is not None and written[0] == body["metadata"]["uid"]:
+        return written[1]
+    return body.get("status") or {}
+
+
 def _patch_status(
-    namespace: str,
-    name: str,
+    key: tuple[str, str],
+    uid: str,
     status: DiffusionDeploymentStatus,
     current: dict[str, Any] | None = None,
 ) -> None:
-    """Patch the status unless it equals ``current`` (the object's status as read): a
-    steady deployment then costs no write per timer tick."""
+    """Patch the status unless it equals ``current`` (the status as last written or
+    read): a steady deployment then costs no write per timer tick."""
     body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
     if current is not None and body == current:
         return
+    namespace, name = key
     client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": body}
     )
+    _written[key] = (uid, body)
 
 
 @dataclass(frozen=True)
@@ -446,19 +509,21 @@ def pass_due(
 
 
 def _sync(name: str, namespace: str) -> list[ApplyFailure]:
-    objects = client.CustomObjectsApi(api())
-    try:
-        body = objects.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except client.ApiException as error:
-        if error.status == 404:
-            return []
-        raise
+    """One pass. The deployment is read from the operator's watch (kopf indexes it before
+    any handler sees its event, so the spec is never older than the event that queued the
+    pass); its status from what this operator last wrote (:data:`_written`)."""
+    key = (namespace, name)
+    bodies = _indexed(DEPLOYMENT_INDEX, key)
+    if not bodies:
+        return []  # deleted
+    body = bodies[-1]
     metadata = body["metadata"]
     if metadata.get("deletionTimestamp"):
         return []
     generation = metadata.get("generation", 0)
+    current = _current_status(key, body)
     try:
-        previous = DiffusionDeploymentStatus.model_validate(body.get("status") or {})
+        previous = DiffusionDeploymentStatus.model_validate(current)
     except ValidationError:
         previous = DiffusionDeploymentStatus()
     try:
@@ -467,9 +532,10 @@ def _sync(name: str, namespace: str) -> list[ApplyFailure]:
         message = f"spec does not match the API models: {error.errors()[0]['msg']}"
         conditions, events = invalid_spec_conditions(previous, generation, message)
         _patch_status(
-            namespace,
-            name,
+            key,
+            metadata["uid"],
             DiffusionDeploymentStatus(observed_generation=generation, conditions=conditions),
+            current,
         )
         _post(body, events, set())
         return []
@@ -484,7 +550,7 @@ def _sync(name: str, namespace: str) -> list[ApplyFailure]:
     status, failure_events = report_apply_failures(
         actions.status, previous, failures, generation, pods_held_back=pods_held_back
     )
-    _patch_status(namespace, name, status, body.get("status") or {})
+    _patch_status(key, metadata["uid"], status, current)
     _post(body, [*actions.events, *failure_events], changed)
     _note_backoff((namespace, name), status)
     return failures
@@ -526,7 +592,9 @@ def on_timer(name: str, namespace: str, spec: Any, **_: Any) -> None:
         first_tick=_first_ticks.setdefault(key, now),
         running=_passes.running(key),
         warming=bool(cache),
-        lapsed=_expectations.lapsed(key, now) or now >= _backoff_ends.get(key, float("inf")),
+        lapsed=_expectations.lapsed(key, now)
+        or now >= _backoff_ends.get(key, float("inf"))
+        or _mount_check_due(key, now),
     ):
         sync(name, namespace)
 
@@ -555,6 +623,8 @@ def on_delete(name: str, namespace: str, **_: Any) -> None:
     _last_passes.pop((namespace, name), None)
     _first_ticks.pop((namespace, name), None)
     _backoff_ends.pop((namespace, name), None)
+    _mount_checks.pop((namespace, name), None)
+    _written.pop((namespace, name), None)
     _expectations.forget((namespace, name))
 
 

@@ -31,6 +31,7 @@ from dlo_operator.api import (
 from dlo_operator.failures import (
     BACKOFF_RESET_S,
     PodProblem,
+    creating_since,
     format_time,
     parse_time,
     pod_problem,
@@ -86,6 +87,8 @@ class ObservedPod:
     terminating: bool
     problem: PodProblem | None = None
     """Why it does not run, as its status says (:mod:`dlo_operator.failures`)."""
+    creating_since: datetime.datetime | None = None
+    """When it was scheduled, while its containers are still being created."""
 
     @classmethod
     def from_manifest(cls, pod: Mapping[str, Any]) -> ObservedPod:
@@ -101,6 +104,7 @@ class ObservedPod:
             ready=conditions.get("Ready") == "True",
             terminating=bool(metadata.get("deletionTimestamp")),
             problem=pod_problem(status),
+            creating_since=creating_since(status),
         )
 
 

@@ -472,3 +472,40 @@ def test_a_broken_model_directory_is_reported_and_its_restarts_back_off(
     ]
     assert reasons.count("EngineFailed") == 1, reasons
     deployment.kubectl("delete", "-n", NAMESPACE, "diffusiondeployment", "broken", "--wait=false")
+
+
+def test_a_missing_model_directory_is_reported_as_a_volume_mount_failure(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """The kubelet reports a hostPath that does not exist only in the Pod's FailedMount
+    Events; the Pod stayed ContainerCreating and the deployment's status said nothing."""
+    manifest = yaml.safe_load(deployment.manifest.read_text())
+    manifest["metadata"]["name"] = "unmounted"
+    manifest["spec"].update(
+        {
+            "replicas": 1,
+            "parallelism": {"data": 1},
+            "model": {"hostPath": str(tmp_path / "no-such-model")},
+        }
+    )
+    path = tmp_path / "unmounted.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    applied = deployment.kubectl("apply", "-f", str(path))
+    assert applied.returncode == 0, applied.stderr
+    objects = client.CustomObjectsApi(deployment.api)
+
+    def reported() -> dict | None:
+        body = objects.get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "unmounted")
+        conditions = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
+        degraded = conditions.get("Degraded")
+        if degraded and degraded["status"] == "True":
+            return {"degraded": degraded, "engine": body["status"]["engines"][0]}
+        return None
+
+    found = eventually(reported, 90, "Degraded naming the volume")
+    assert found["degraded"]["reason"] == "VolumeMountFailed", found
+    assert "no-such-model" in found["degraded"]["message"], found
+    assert found["engine"]["reason"] == "VolumeMountFailed"
+    deployment.kubectl(
+        "delete", "-n", NAMESPACE, "diffusiondeployment", "unmounted", "--wait=false"
+    )

@@ -589,10 +589,10 @@ LISTED_CHILDREN = ("pods", "services", "poddisruptionbudgets", "networkpolicies"
 def test_passes_read_pods_and_children_from_the_watches_not_from_lists(
     api_client, operator, cluster, namespace
 ) -> None:
-    """Each pass takes a deployment's Pods and children from the operator's watches: three
-    passes (each restoring a deleted Service) list nothing, where each used to list Pods,
-    Services, budgets, policies and Jobs; and nothing a pass just did is mistaken for a
-    lost rank."""
+    """Each pass takes a deployment, its Pods and children from the operator's watches:
+    three passes (each restoring a deleted Service) list and get nothing, where each used
+    to list Pods, Services, budgets, policies and Jobs and get the deployment; and nothing
+    a pass just did is mistaken for a lost rank."""
     create(api_client, namespace, manifest("flux"))
     eventually(
         lambda: _condition(_status(api_client, namespace, "flux"), "Available") == "True",
@@ -604,7 +604,10 @@ def test_passes_read_pods_and_children_from_the_watches_not_from_lists(
 
     def lists() -> dict[str, float]:
         totals = request_totals(cluster)
-        return {resource: totals.get(("LIST", resource), 0.0) for resource in LISTED_CHILDREN}
+        counted = {resource: totals.get(("LIST", resource), 0.0) for resource in LISTED_CHILDREN}
+        # A pass used to GET its deployment too; it reads it from the watch now.
+        counted["GET diffusiondeployments"] = totals.get(("GET", "diffusiondeployments"), 0.0)
+        return counted
 
     before = lists()
     for _ in range(3):
@@ -621,10 +624,11 @@ def test_passes_read_pods_and_children_from_the_watches_not_from_lists(
 
         eventually(restored, 30, "the client Service restored")
     after = lists()
-    listed = {resource: after[resource] - before[resource] for resource in LISTED_CHILDREN}
+    listed = {resource: after[resource] - before[resource] for resource in before}
     # Each pass used to list all five kinds (15 LISTs here); the control plane's own
     # controllers may list now and then, never once per pass.
     assert sum(listed.values()) < 3, listed
+    assert listed["GET diffusiondeployments"] == 0, listed
     status = _status(api_client, namespace, "flux")
     assert _condition(status, "Available") == "True"
     assert status["engines"]

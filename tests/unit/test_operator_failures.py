@@ -3,12 +3,19 @@ engines restart with a growing delay (pure: reconcile over observed Pod statuses
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 from typing import Any
 
 from dlo_operator.api import DiffusionDeploymentStatus
-from dlo_operator.failures import pod_problem, restart_delay_s
+from dlo_operator.failures import (
+    creating_since,
+    format_time,
+    mount_problem,
+    pod_problem,
+    restart_delay_s,
+)
 from dlo_operator.reconcile import EnginePhase, ObservedPod, reconcile
 from dlo_operator.render import Owner, render_engine_pods
 from tests.support.deployments import deployment_spec
@@ -152,3 +159,51 @@ def test_a_long_log_tail_is_cut_to_its_last_line() -> None:
 
 def test_the_delay_doubles_from_ten_seconds_to_five_minutes() -> None:
     assert [restart_delay_s(n) for n in range(8)] == [0, 10, 20, 40, 80, 160, 300, 300]
+
+
+def creating(scheduled_at: datetime.datetime, init: bool = False) -> dict[str, Any]:
+    statuses = [{"name": "worker", "state": {"waiting": {"reason": "ContainerCreating"}}}]
+    return {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "True",
+                "lastTransitionTime": format_time(scheduled_at),
+            }
+        ],
+        "initContainerStatuses" if init else "containerStatuses": statuses,
+    }
+
+
+def test_a_pod_still_creating_after_it_was_scheduled_is_a_mount_suspect() -> None:
+    assert creating_since(creating(T0)) == T0
+    assert creating_since(creating(T0, init=True)) == T0
+    assert creating_since(waiting("ErrImageNeverPull", "absent")) is None  # not scheduled
+    running = {**creating(T0), "containerStatuses": [{"name": "worker", "state": {"running": {}}}]}
+    assert creating_since(running) is None
+
+
+def test_the_latest_volume_failure_among_a_pods_events_is_its_problem() -> None:
+    events = [
+        {"reason": "Scheduled", "message": "assigned", "lastTimestamp": "2026-12-01T12:00:00Z"},
+        {"reason": "FailedMount", "message": "old", "lastTimestamp": "2026-12-01T12:00:05Z"},
+        {
+            "reason": "FailedMount",
+            "message": 'MountVolume.SetUp failed for volume "model": hostPath type check '
+            "failed: /models/flux is not a directory",
+            "lastTimestamp": "2026-12-01T12:00:40Z",
+        },
+    ]
+    problem = mount_problem(events)
+    assert problem is not None
+    assert problem.reason == "VolumeMountFailed"
+    assert problem.message.startswith("FailedMount: MountVolume.SetUp failed for volume")
+    assert mount_problem(events[:1]) is None
+    observed = pods(waiting("ContainerCreating", ""))
+    stuck = [dataclasses.replace(pod, problem=problem) for pod in observed]
+    actions = reconcile(OWNER, SPEC, 1, stuck, DiffusionDeploymentStatus(), now=T0)
+    state, reason, message = degraded(actions.status)
+    assert (state, reason) == ("True", "VolumeMountFailed")
+    assert "/models/flux is not a directory" in message
+    assert actions.delete_pods == []  # the kubelet retries the mount

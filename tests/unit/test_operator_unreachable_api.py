@@ -90,6 +90,17 @@ def test_a_call_the_api_server_never_answers_ends_the_pass(
     mid-request, a dropped connection behind a load balancer): without a request timeout
     the pass would wait forever and hold every later pass over the deployment."""
     monkeypatch.setattr(handlers, "REQUEST_TIMEOUT_S", (1.0, 1.0))
+    # The deployment as the watch delivered it: the pass reads it from there and then
+    # calls the API server to create its children.
+    body = {
+        "apiVersion": "dlo.dev/v1alpha1",
+        "kind": "DiffusionDeployment",
+        "metadata": {"name": OWNER.name, "namespace": OWNER.namespace, "uid": OWNER.uid},
+        "spec": deployment_spec().model_dump(mode="json", by_alias=True),
+    }
+    indexes: dict = {index: {} for index in handlers.INDEXES}
+    indexes[handlers.DEPLOYMENT_INDEX] = {KEY: [body]}
+    monkeypatch.setattr(handlers, "_indexes", indexes)
     outcome: list[BaseException | None] = []
 
     def one_pass() -> None:
