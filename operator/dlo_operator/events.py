@@ -17,6 +17,7 @@ from typing import Any
 from kubernetes import client
 
 from dlo_operator import metrics
+from dlo_operator.apicalls import write
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ def post_event(
         body, reason, message, warning=warning, now=datetime.datetime.now(datetime.UTC)
     )
     try:
-        client.CoreV1Api(api).create_namespaced_event(body["metadata"]["namespace"], manifest)
+        write(
+            client.CoreV1Api(api).create_namespaced_event, body["metadata"]["namespace"], manifest
+        )
         metrics.EVENTS.labels(reason=reason).inc()
     except Exception as error:  # an Event lost must not fail the pass that made the change
         metadata = body["metadata"]

@@ -39,6 +39,7 @@ from dlo_operator.api import (
     DiffusionDeploymentSpec,
     DiffusionDeploymentStatus,
 )
+from dlo_operator.apicalls import write
 from dlo_operator.coalesce import Coalescer
 from dlo_operator.events import post_event
 from dlo_operator.expectations import PodExpectations
@@ -200,7 +201,18 @@ async def _index_child(
 
 
 async def _index_deployment(namespace: str, name: str, body: Any, **_: Any) -> dict:
-    return {(namespace, name): copy.deepcopy(dict(body))}
+    """What a pass reads of the deployment, copied (not its managedFields)."""
+    metadata = body["metadata"]
+    kept = ("name", "namespace", "uid", "generation", "resourceVersion", "deletionTimestamp")
+    return {
+        (namespace, name): {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {key: metadata[key] for key in kept if key in metadata},
+            "spec": copy.deepcopy(dict(body.get("spec") or {})),
+            "status": copy.deepcopy(dict(body.get("status") or {})),
+        }
+    }
 
 
 kopf.index(GROUP, VERSION, PLURAL, id=DEPLOYMENT_INDEX)(_index_deployment)
@@ -308,7 +320,7 @@ def _apply_child(namespace: str, item: dict[str, Any]) -> ApplyFailure | None:
     name, kind = item["metadata"]["name"], item["kind"]
     _creating_children.add((namespace, kind, name))
     try:
-        _child_call(kind, "create")(namespace, item)
+        write(_child_call(kind, "create"), namespace, item)
         return None
     except client.ApiException as error:
         _creating_children.discard((namespace, kind, name))
@@ -320,8 +332,12 @@ def _apply_child(namespace: str, item: dict[str, Any]) -> ApplyFailure | None:
         _creating_children.discard((namespace, kind, name))
         raise
     try:
-        _child_call(kind, "patch")(
-            name, namespace, item, _content_type="application/merge-patch+json"
+        write(
+            _child_call(kind, "patch"),
+            name,
+            namespace,
+            item,
+            _content_type="application/merge-patch+json",
         )
     except client.ApiException as error:
         return _refused("apply", kind, namespace, name, error)
@@ -331,7 +347,7 @@ def _apply_child(namespace: str, item: dict[str, Any]) -> ApplyFailure | None:
 def _delete_child(namespace: str, kind: str, name: str) -> ApplyFailure | None:
     try:
         # Background: a Job's Pods go with it (a Job's default is to orphan them).
-        _child_call(kind, "delete")(name, namespace, propagation_policy="Background")
+        write(_child_call(kind, "delete"), name, namespace, propagation_policy="Background")
     except client.ApiException as error:
         if error.status != 404:  # 404: gone already
             return _refused("delete", kind, namespace, name, error)
@@ -344,7 +360,7 @@ def _create_pod(key: tuple[str, str], pod: dict[str, Any]) -> ApplyFailure | boo
     namespace, name = key[0], pod["metadata"]["name"]
     _expectations.creating(key, ObservedPod.from_manifest(pod), time.monotonic())
     try:
-        client.CoreV1Api(api()).create_namespaced_pod(namespace, pod)
+        write(client.CoreV1Api(api()).create_namespaced_pod, namespace, pod)
     except client.ApiException as error:
         if error.status == 409:
             return False
@@ -365,7 +381,7 @@ def _delete_pod(key: tuple[str, str], name: str) -> ApplyFailure | bool:
     once could count an engine's restart twice."""
     _expectations.deleting(key, name, time.monotonic())
     try:
-        client.CoreV1Api(api()).delete_namespaced_pod(name, key[0])
+        write(client.CoreV1Api(api()).delete_namespaced_pod, name, key[0])
     except client.ApiException as error:
         if error.status == 404:  # gone already, as the expectation says
             return False
@@ -439,8 +455,14 @@ def _patch_status(
     if current is not None and body == current:
         return
     namespace, name = key
-    client.CustomObjectsApi(api()).patch_namespaced_custom_object_status(
-        GROUP, VERSION, namespace, PLURAL, name, {"status": body}
+    write(
+        client.CustomObjectsApi(api()).patch_namespaced_custom_object_status,
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        name,
+        {"status": body},
     )
     _written[key] = (uid, body)
 
