@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "dlo_worker.offload._staging_ring",
-            sources=["worker/dlo_worker/offload/_staging_ring.c"],
+            "dlo_worker.offload.feeds._staging_ring",
+            sources=["worker/dlo_worker/offload/feeds/_staging_ring.c"],
             extra_compile_args=["-O3", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,

@@ -30,7 +30,7 @@ from flux_dlo import (
 )
 
 from dlo_worker.offload import enable_dlo
-from dlo_worker.quantization import quantize_blocks_fp8
+from dlo_worker.pipeline.quantization import quantize_blocks_fp8
 
 
 @torch.inference_mode()

@@ -33,9 +33,9 @@ from flux_dlo import (
     step_seconds,
 )
 
-from dlo_worker import sequence_parallel
 from dlo_worker.config import ParallelOptions
 from dlo_worker.offload import enable_dlo
+from dlo_worker.pipeline import sequence_parallel
 
 
 def with_sequence_parallelism(model: torch.nn.Module, device: torch.device, size: int) -> None:

@@ -240,7 +240,7 @@ def pack_rates(directory: Path, threads: list[int], blocks: int = 6) -> dict[int
     """GB/s packing the first ``blocks`` double blocks from the mapping into pinned memory."""
     from safetensors import safe_open
 
-    from dlo_worker.offload.staging import MappedPiece, Packer, wait_all
+    from dlo_worker.offload.feeds.staging import MappedPiece, Packer, wait_all
 
     index = json.loads((directory / "diffusion_pytorch_model.safetensors.index.json").read_text())
     views = []

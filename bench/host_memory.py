@@ -39,7 +39,7 @@ def write_models(root: Path, layers: int, heads: int, head_dim: int) -> tuple[Pa
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dlo_worker.demo_model import DemoModelShape, write_demo_model
+    from dlo_worker.pipeline.demo_model import DemoModelShape, write_demo_model
 
     shape = DemoModelShape(
         num_layers=layers, num_attention_heads=heads, attention_head_dim=head_dim
@@ -63,8 +63,8 @@ def measure_rank(model: Path, out: Path, cache_root: Path | None) -> None:
     import torch.distributed as dist
 
     from dlo_worker.config import build_config
-    from dlo_worker.memory import mapped_file_memory, process_memory
-    from dlo_worker.worker import Worker
+    from dlo_worker.observability.memory import mapped_file_memory, process_memory
+    from dlo_worker.process.worker import Worker
 
     world = int(os.environ["WORLD_SIZE"])
     offload = {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False}

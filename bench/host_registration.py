@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dlo_worker.offload.cuda_registrar import HOST_REGISTER_READ_ONLY, loaded_cudart
+from dlo_worker.offload.feeds.cuda_registrar import HOST_REGISTER_READ_ONLY, loaded_cudart
 
 CHUNK = 256 * 2**20
 ATTRIBUTES = {

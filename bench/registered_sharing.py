@@ -99,7 +99,7 @@ def main() -> None:
     from diffusers import FluxTransformer2DModel
 
     from dlo_worker.loader.components import diffusers_skeleton
-    from dlo_worker.memory import mapped_file_memory, process_memory
+    from dlo_worker.observability.memory import mapped_file_memory, process_memory
     from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, enable_dlo
     from dlo_worker.runtime_cache.entry import RuntimeCacheEntry, read_manifest
 

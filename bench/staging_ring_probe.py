@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.feeds.arena import HostArena
 
 MIB = 2**20
 

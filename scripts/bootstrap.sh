@@ -27,7 +27,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 # The C sources are part of the key: the editable install builds them in place.
-stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/worker/dlo_worker/offload/*.c | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
+stamp="$VENV/.installed-$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT"/worker/dlo_worker/offload/feeds/*.c | sha256sum | cut -c1-16)-${EXTRAS//,/-}"
 if [ ! -f "$stamp" ]; then
   echo "==> installing diffusion-dlo[$EXTRAS] into $VENV (the first run downloads torch, a few GB)"
   "$VENV/bin/python" -m pip install --upgrade --quiet pip

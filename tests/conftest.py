@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo_worker.numerics import pin_cpu_blas_numerics
+from dlo_worker.process.numerics import pin_cpu_blas_numerics
 
 # In-process comparisons (tests/support/equivalence.py) run with the worker's CPU numerics.
 pin_cpu_blas_numerics()
@@ -15,7 +15,7 @@ pin_cpu_blas_numerics()
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A demo pipeline directory written by the product's own writer (read-only for tests)."""
-    from dlo_worker.demo_model import write_demo_model
+    from dlo_worker.pipeline.demo_model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("models") / "demo", seed=0)
 
@@ -23,7 +23,7 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def flux_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The text-to-image demo (a tiny FluxPipeline with CLIP and T5), written by the product."""
-    from dlo_worker.demo_model import DemoKind, write_demo_model
+    from dlo_worker.pipeline.demo_model import DemoKind, write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("models") / "flux", kind=DemoKind.FLUX)
 

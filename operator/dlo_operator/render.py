@@ -49,7 +49,7 @@ from dlo_operator.workerconfig import (
     worker_config,
 )
 from dlo_worker.config import to_flags
-from dlo_worker.logs import LOG_LEVEL_ENV
+from dlo_worker.observability.logs import LOG_LEVEL_ENV
 
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 LABEL_ENGINE = f"{GROUP}/engine"

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from dlo_worker.config import HostBacking
 from dlo_worker.offload import OffloadConfig
-from dlo_worker.worker import Worker
+from dlo_worker.process.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import (
     run_staging_ring,

@@ -93,7 +93,7 @@ def test_nccl_allgather_over_two_gpus_is_bitwise_equal(tmp_path: Path) -> None:
 def test_fp8_flux_on_cuda_is_bitwise_equal_to_fp8_resident() -> None:
     """``--quantization fp8``: the FP8 weights stream through the slots (one byte each) and
     are dequantized on the GPU; the output equals the same FP8 model resident."""
-    from dlo_worker.quantization import quantize_blocks_fp8
+    from dlo_worker.pipeline.quantization import quantize_blocks_fp8
 
     def fp8_flux() -> torch.nn.Module:
         model = tiny_flux().model.to(torch.bfloat16)

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dlo_worker.config import HostBacking
-from dlo_worker.offload.cuda_registrar import HOST_REGISTER_READ_ONLY, CudaHostRegistrar
-from dlo_worker.offload.registration import (
+from dlo_worker.offload.feeds.cuda_registrar import HOST_REGISTER_READ_ONLY, CudaHostRegistrar
+from dlo_worker.offload.feeds.registration import (
     RegisteredRanges,
     RegistrationRefusedError,
     SharedFileViews,

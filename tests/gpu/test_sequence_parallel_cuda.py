@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlo_worker import sequence_parallel
 from dlo_worker.config import ParallelOptions
 from dlo_worker.offload import enable_dlo
+from dlo_worker.pipeline import sequence_parallel
 from tests.support.generate import ENV, digest
 from tests.support.tiny_models import tiny_flux, tiny_wan
 

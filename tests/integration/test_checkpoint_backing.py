@@ -16,14 +16,14 @@ import torch
 import torch.multiprocessing as mp
 from prometheus_client import REGISTRY
 
-from dlo_worker import metrics
-from dlo_worker.cli import main as worker_main
+from dlo_worker.cli.main import main as worker_main
 from dlo_worker.config import HostBacking
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.host_weight_plan import HostWeightPlanError
+from dlo_worker.observability import metrics
 from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend, OffloadConfig
-from dlo_worker.worker import Worker
+from dlo_worker.process.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import (
     run_staging_ring,
@@ -276,7 +276,7 @@ def _sharing_rank(rank: int, world_size: int, port: int, model: str, out: str) -
 
     import torch.distributed as dist
 
-    from dlo_worker.memory import mapped_file_memory
+    from dlo_worker.observability.memory import mapped_file_memory
 
     join_world_as(rank, world_size, port)
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dlo_worker.demo_model import DemoModelExistsError, write_demo_model
+from dlo_worker.pipeline.demo_model import DemoModelExistsError, write_demo_model
 
 
 def tree_digest(root: Path) -> dict[str, str]:

@@ -21,8 +21,8 @@ from dlo_worker.offload import (
     enable_dlo,
 )
 from dlo_worker.offload.backend import MARK
+from dlo_worker.offload.feeds.staging import Packer
 from dlo_worker.offload.slots import SlotPair
-from dlo_worker.offload.staging import Packer
 from tests.support.equivalence import run_equivalence
 from tests.support.tiny_models import interleaved_stack, plain_stack, tiny_flux
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dlo_worker.offload import enable_dlo
-from dlo_worker.quantization import Float8Linear, quantize_blocks_fp8
+from dlo_worker.pipeline.quantization import Float8Linear, quantize_blocks_fp8
 from tests.support.generate import ENV, digest, generate_argv
 from tests.support.tiny_models import tiny_flux, tiny_wan
 

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dlo_worker import sequence_parallel
 from dlo_worker.config import ParallelOptions, ShardingGroup
-from dlo_worker.distributed import group_ranks, rank_coordinates
 from dlo_worker.offload import enable_dlo
+from dlo_worker.pipeline import sequence_parallel
+from dlo_worker.process.topology import group_ranks, rank_coordinates
 from tests.support.generate import ENV, digest, generate_command
 from tests.support.launch import rank_logs, torchrun_command
 from tests.support.ports import free_port

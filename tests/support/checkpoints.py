@@ -19,7 +19,7 @@ from dlo_worker.config import WorkerConfig, build_config
 from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, OffloadStats
-from dlo_worker.worker import Worker
+from dlo_worker.process.worker import Worker
 
 FORWARDS = 3
 QKV = re.compile(r"^(?P<attention>.+)\.to_q\.(?P<kind>weight|bias)$")

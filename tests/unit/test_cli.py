@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from dlo_worker.cli import build_parser, main
+from dlo_worker.cli.main import build_parser, main
 from dlo_worker.config import (
     NEGATIVE_FLAGS,
     ModelOptions,
@@ -242,7 +242,7 @@ def test_serve_reports_a_port_in_use(capsys, demo_model_dir) -> None:
 def test_invalid_combination_fails_before_torch_is_imported(tmp_path) -> None:
     probe = (
         "import sys\n"
-        "from dlo_worker.cli import main\n"
+        "from dlo_worker.cli.main import main\n"
         "code = main(['generate', '--model', sys.argv[1], '--out', 'x.png',\n"
         "             '--enable-distributed-layerwise-offload', '--dlo-resident-layers', '1'])\n"
         "assert 'torch' not in sys.modules, 'torch was imported before validation'\n"

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from dlo_worker.config import OffloadPolicy
-from dlo_worker.diffusers_offload import (
+from dlo_worker.loader.placement import stays_on_host
+from dlo_worker.pipeline.diffusers_offload import (
     GroupOffloadUnsupportedError,
     OffloadDeviceError,
     check_device,
     check_model,
-    stays_on_host,
 )
 
 DITS = ("transformer", "transformer_2")

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from dlo_worker.engine import (
+from dlo_worker.engine.request import GenerationRequest
+from dlo_worker.engine.waves import (
     IntakeClosedError,
     QueueFullError,
     RequestQueue,
     Wave,
     plan_wave,
 )
-from dlo_worker.requests import GenerationRequest
 
 
 def request(seed: int, steps: int = 4, guidance: float = 4.0) -> GenerationRequest:

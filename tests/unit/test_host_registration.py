@@ -15,10 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dlo_worker.offload import registration
 from dlo_worker.offload.block import MappedPiece, coalesce
-from dlo_worker.offload.layout import layout_of, streamed_parameters
-from dlo_worker.offload.registration import (
+from dlo_worker.offload.feeds import registration
+from dlo_worker.offload.feeds.registration import (
     HostRange,
     PlatformRegistrationError,
     RegisteredRanges,
@@ -31,6 +30,7 @@ from dlo_worker.offload.registration import (
     page_ranges,
     read_mappings,
 )
+from dlo_worker.offload.layout import layout_of, streamed_parameters
 
 PAGE = 4096
 

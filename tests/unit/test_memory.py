@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlo_worker.memory import parse_smaps_for_files, parse_smaps_rollup, process_memory
+from dlo_worker.observability.memory import (
+    parse_smaps_for_files,
+    parse_smaps_rollup,
+    process_memory,
+)
 
 SMAPS = """\
 55d0c0a00000-55d0c0a21000 rw-p 00000000 00:00 0                          [heap]

@@ -1,4 +1,4 @@
-"""The native staging ring (``_staging_ring.c`` through ``ring_staging.StagingRing``) run
+"""The native staging ring (``_staging_ring.c`` through ``feeds.ring.StagingRing``) run
 on the CPU, where the same packers and feeder copy chunks with memcpy: every fill holds
 the block's exact packed bytes (gaps zeroed) whatever the chunk size, pieces split across
 chunks and chunks spanning pieces, over more fills than the ring has chunks or its job
@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from dlo_worker.offload import OffloadConfig, ring_staging
+from dlo_worker.offload import OffloadConfig
 from dlo_worker.offload.block import MappedPiece, StreamedBlock
+from dlo_worker.offload.feeds import ring as ring_feed
+from dlo_worker.offload.feeds.ring import StagingRing, StagingRingUnavailableError
 from dlo_worker.offload.layout import layout_of, slot_capacity
-from dlo_worker.offload.ring_staging import StagingRing, StagingRingUnavailableError
 from dlo_worker.offload.slots import TransferCounters
 
 CPU = torch.device("cpu")
@@ -114,7 +115,7 @@ def test_close_lands_fills_nobody_waited_for() -> None:
 def test_a_ring_that_was_not_built_is_a_clear_error(monkeypatch) -> None:
     """Installing without a C compiler skips the optional extension (simulated by a module
     name nothing provides)."""
-    monkeypatch.setattr(ring_staging, "_LIBRARY_MODULE", "dlo_worker.offload._not_built")
+    monkeypatch.setattr(ring_feed, "_LIBRARY_MODULE", "dlo_worker.offload._not_built")
     with pytest.raises(StagingRingUnavailableError, match="C compiler"):
         StagingRing(CPU, None, TransferCounters(), lanes=1, chunk_bytes=4096)
 

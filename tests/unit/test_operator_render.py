@@ -22,8 +22,8 @@ from dlo_operator.render import (
     worker_arguments,
 )
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
-from dlo_worker.cli import build_parser, config_from_args
-from dlo_worker.cli import main as worker_main
+from dlo_worker.cli.main import build_parser, config_from_args
+from dlo_worker.cli.main import main as worker_main
 from dlo_worker.config import ShardingGroup
 from tests.support.deployments import deployment_spec
 

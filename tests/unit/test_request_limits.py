@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dlo_worker.requests import (
+from dlo_worker.engine.request import (
     GenerationRequest,
     Guidance,
     RequestDefaults,

@@ -10,7 +10,11 @@ import pytest
 from dlo_worker.config import ParallelOptions
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.diffusers_loader import DIT_COMPONENTS
-from dlo_worker.sequence_parallel import SequenceParallelError, check_model, supported_classes
+from dlo_worker.pipeline.sequence_parallel import (
+    SequenceParallelError,
+    check_model,
+    supported_classes,
+)
 
 
 def test_a_dit_class_without_a_plan_is_refused_naming_it_and_those_with_one(

@@ -21,8 +21,14 @@ import pytest
 import requests
 from prometheus_client import REGISTRY
 
-from dlo_worker.engine import RequestQueue
-from dlo_worker.server import GENERATE_PATH, HTTPLimits, Phase, ServerState, WorkerHTTPServer
+from dlo_worker.engine.waves import RequestQueue
+from dlo_worker.serving.server import (
+    GENERATE_PATH,
+    HTTPLimits,
+    Phase,
+    ServerState,
+    WorkerHTTPServer,
+)
 
 # Short deadlines so the tests that wait for them stay quick.
 LIMITS = HTTPLimits(header_timeout_s=1.0, body_timeout_s=1.0)

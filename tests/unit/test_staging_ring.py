@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from dlo_worker.offload.block import MappedPiece, StreamedBlock
+from dlo_worker.offload.feeds.staging import HostStaging, Packer
 from dlo_worker.offload.layout import layout_of, slot_capacity
 from dlo_worker.offload.slots import TransferCounters
-from dlo_worker.offload.staging import HostStaging, Packer
 
 
 def make_blocks(count: int) -> list[StreamedBlock]:

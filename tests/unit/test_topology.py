@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dlo_worker.config import ParallelOptions, ShardingGroup, build_config
-from dlo_worker.distributed import group_ranks, rank_coordinates
-from dlo_worker.worker import offload_config_for
+from dlo_worker.process.topology import group_ranks, rank_coordinates
+from dlo_worker.process.worker import offload_config_for
 
 
 def test_tp_is_innermost_then_sp_then_dp() -> None:

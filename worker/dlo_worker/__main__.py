@@ -2,6 +2,6 @@
 
 import sys
 
-from dlo_worker.cli import main
+from dlo_worker.cli.main import main
 
 sys.exit(main())

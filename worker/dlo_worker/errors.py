@@ -2,7 +2,7 @@
 
 Every exception that means "this input, option, file or environment is wrong, and the
 message says how to fix it" derives from :class:`UserFixableError`. The CLI maps it to
-one line on stderr and exit status 2 in one place (``dlo_worker.cli.main``); anything
+one line on stderr and exit status 2 in one place (``dlo_worker.cli.main.main``); anything
 else is a bug and keeps its traceback.
 """
 

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dlo_worker import metrics
 from dlo_worker.config import (
     HostBacking,
     OffloadPolicy,
@@ -34,7 +33,6 @@ from dlo_worker.config import (
     WorkerConfig,
     default_runtime_cache_root,
 )
-from dlo_worker.diffusers_offload import stays_on_host
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
@@ -46,7 +44,9 @@ from dlo_worker.loader.model_directory import (
     dit_classes,
     quiet_diffusers_handlers,
 )
+from dlo_worker.loader.placement import stays_on_host
 from dlo_worker.loader.preflight import Rejection, Resolution, rejection, resolve_sources
+from dlo_worker.observability import metrics
 from dlo_worker.runtime_cache import (
     CacheReport,
     CacheRequest,

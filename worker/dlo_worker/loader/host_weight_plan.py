@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from dlo_worker.config import HostBacking
 from dlo_worker.loader.preflight import Binding
-from dlo_worker.offload.host_source import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightPlanError
 
 __all__ = ["CheckpointMappings", "ComponentPlan", "HostWeightPlan", "HostWeightPlanError"]
 

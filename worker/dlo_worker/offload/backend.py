@@ -18,18 +18,18 @@ composition"):
 
 - ordinary tensors: each block is packed into a page-locked arena (complete, or
   this rank's 1/N shard for AllGather) and the loader's copy is freed;
-- a :class:`~dlo_worker.offload.host_source.HostWeightSource` (the loader's checkpoint
+- a :class:`~dlo_worker.offload.host_weights.HostWeightSource` (the loader's checkpoint
   ``HostWeightPlan``), AllGather: each rank packs its shard from
   the mapped files into the arena, then the plan's mappings are closed;
 - a mapped source (checkpoint plan or runtime-cache entry), rank-local: blocks keep
   only immutable views of the mapped files. With a registration budget
   (``host_registration_budget_bytes``) on CUDA, the views' ranges are registered with
-  the driver and each load copies them directly (:mod:`~dlo_worker.offload.direct_source`);
+  the driver and each load copies them directly (:mod:`~dlo_worker.offload.feeds.direct`);
   otherwise, or if registration is refused (budget, platform, a deferred adapter, a
   failed call: all or nothing, the reason is logged and reported in ``stats``), they
   are packed through bounded pinned staging: block-sized buffers
-  (:mod:`~dlo_worker.offload.staging`) or, with ``staging_ring``, a cache-sized ring of
-  chunks fed by native threads (:mod:`~dlo_worker.offload.ring_staging`).
+  (:mod:`~dlo_worker.offload.feeds.staging`) or, with ``staging_ring``, a cache-sized ring of
+  chunks fed by native threads (:mod:`~dlo_worker.offload.feeds.ring`).
 
 With a plan the DiT was never materialized, so failing to consume the plan is a
 hard error (:class:`HostWeightPlanError`), never a fallback.
@@ -52,10 +52,13 @@ from tqdm.auto import tqdm
 from dlo_worker.errors import UserFixableError
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter, coalesce
 from dlo_worker.offload.config import OffloadConfig
-from dlo_worker.offload.direct_source import DIRECT
+from dlo_worker.offload.feeds.arena import ARENA, HostArena
+from dlo_worker.offload.feeds.direct import DIRECT
+from dlo_worker.offload.feeds.registration import RegisteredRanges, RegistrationRefusedError
+from dlo_worker.offload.feeds.ring import StagingRing
+from dlo_worker.offload.feeds.staging import HostStaging, Packer, wait_all
 from dlo_worker.offload.hooks import BlockHooks
-from dlo_worker.offload.host import ARENA, HostArena
-from dlo_worker.offload.host_source import HostWeightPlanError, HostWeightSource
+from dlo_worker.offload.host_weights import HostWeightPlanError, HostWeightSource
 from dlo_worker.offload.layout import (
     BlockLayout,
     layout_of,
@@ -64,12 +67,9 @@ from dlo_worker.offload.layout import (
     streamed_parameters,
 )
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan, discover
-from dlo_worker.offload.registration import RegisteredRanges, RegistrationRefusedError
 from dlo_worker.offload.residency import resident_within_budget, spread_evenly
-from dlo_worker.offload.ring_staging import StagingRing
 from dlo_worker.offload.schedule import Schedule
 from dlo_worker.offload.slots import SlotPair, TransferCounters
-from dlo_worker.offload.staging import HostStaging, Packer, wait_all
 
 logger = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class DistributedLayerwiseOffloadBackend:
                 "final layout; enable the runtime cache to register its final tensors",
             )
         else:
-            from dlo_worker.offload.cuda_registrar import CudaHostRegistrar
+            from dlo_worker.offload.feeds.cuda_registrar import CudaHostRegistrar
 
             places = [
                 (pieces, index)

@@ -108,7 +108,7 @@ class HostSource(Protocol):
 @runtime_checkable
 class FillingSource(Protocol):
     """A host source that issues its own copies into the slot, from threads of its own
-    (``ring_staging.StagingRing``): the slot hands it the load and waits for it before
+    (``feeds.ring.StagingRing``): the slot hands it the load and waits for it before
     compute orders itself after the slot's ready event."""
 
     def fill(

@@ -2,7 +2,7 @@
 
 It knows nothing of pipelines or of the worker's configuration (as diffusers'
 ``GroupOffloadingConfig``); the worker builds one from its configuration and topology
-(:func:`dlo_worker.worker.offload_config`).
+(:func:`dlo_worker.process.worker.offload_config`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class OffloadConfig:
     so a pack that runs slow for one block does not leave the copy engine idle."""
     staging_ring: bool = False
     """Stage unregistered mapped blocks through the native cache-sized chunk ring
-    (:mod:`dlo_worker.offload.ring_staging`; an error where it was not built) instead of
+    (:mod:`dlo_worker.offload.feeds.ring`; an error where it was not built) instead of
     block-sized staging buffers. Off by default until measured on a GPU host."""
     staging_ring_chunk_bytes: int = 8 * 2**20
     """Bytes per chunk of the staging ring (two chunks per pack thread): small enough

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from dlo_worker import metrics
+from dlo_worker.observability import metrics
 from dlo_worker.offload.layout import DTypeLayout
 from dlo_worker.offload.plan import block_paths_for
 from dlo_worker.runtime_cache.digest import content_digest, state_tensors

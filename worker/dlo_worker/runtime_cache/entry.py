@@ -33,7 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dlo_worker import __version__
-from dlo_worker.offload.host_source import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightPlanError
 from dlo_worker.offload.layout import BlockLayout, layout_of, streamed_parameters
 from dlo_worker.offload.plan import discover
 from dlo_worker.runtime_cache.digest import content_digest, file_sha256, files_sha256

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
-from dlo_worker import metrics
 from dlo_worker.errors import UserFixableError
+from dlo_worker.observability import metrics
 from dlo_worker.runtime_cache.entry import (
     EntryError,
     RuntimeCacheEntry,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from pydantic import BaseModel, ValidationError
 
-from dlo_worker import __version__, logs, numerics
+from dlo_worker import __version__
 from dlo_worker.config import (
     NEGATIVE_FLAGS,
     ConfigError,
@@ -32,16 +32,18 @@ from dlo_worker.config import (
     execution_errors,
     flag_for,
 )
+from dlo_worker.engine.request import GenerationRequest, RequestDefaults
 from dlo_worker.errors import UserFixableError
-from dlo_worker.requests import GenerationRequest, RequestDefaults
-from dlo_worker.termination import write_termination_message
+from dlo_worker.observability import logs
+from dlo_worker.process import numerics
+from dlo_worker.process.termination import write_termination_message
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
     from dlo_worker.runtime_cache.store import RuntimeCacheStore
 
-logger = logging.getLogger("dlo_worker.cli")
+logger = logging.getLogger("dlo_worker.cli.main")
 
 API_KEY_ENV = "DLO_API_KEY"
 EXIT_USAGE = 2
@@ -169,7 +171,7 @@ def _command_config(args: argparse.Namespace) -> int:
 
 
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.demo_model import DemoKind, write_demo_model
+    from dlo_worker.pipeline.demo_model import DemoKind, write_demo_model
 
     path = write_demo_model(
         Path(args.directory),
@@ -213,14 +215,14 @@ def _command_generate(args: argparse.Namespace) -> int:
     config = _executable_config(args)
     _check_outputs(args.out, config, request.num_images, make_parents=args.make_parents)
 
-    from dlo_worker.generate import (
+    from dlo_worker.engine.generation import (
         NonFiniteOutputError,
         generate_images,
         request_limits,
         write_png,
     )
-    from dlo_worker.requests import request_problems
-    from dlo_worker.worker import Worker
+    from dlo_worker.engine.request import request_problems
+    from dlo_worker.process.worker import Worker
 
     def check_request(pipeline: DiffusionPipeline) -> None:
         """Before the weights load: the request is one this pipeline can take."""
@@ -260,7 +262,7 @@ def _check_outputs(
     out_text: str, config: WorkerConfig, num_images: int, *, make_parents: bool
 ) -> None:
     """Every rank's output path, before the model loads (exit 2 naming the problem)."""
-    from dlo_worker.output import OutputPathError, check_output_path
+    from dlo_worker.engine.images import OutputPathError, check_output_path
 
     if not out_text.strip():
         raise OutputPathError("--out is empty; name the PNG file to write (e.g. --out image.png)")
@@ -274,7 +276,7 @@ def _check_outputs(
 def _command_serve(args: argparse.Namespace) -> int:
     config = _executable_config(args)
 
-    from dlo_worker.serve import ServeOptions, serve
+    from dlo_worker.cli.serve import ServeOptions, serve
 
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
@@ -287,7 +289,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         defaults=_request_defaults(args),
     )
     serve(config, options)
-    from dlo_worker.launch import record_exit
+    from dlo_worker.cli.launch import record_exit
 
     record_exit(0)  # the drain finished: under `launch`, the Pod ends Succeeded
     return 0
@@ -311,7 +313,7 @@ def _request_defaults(args: argparse.Namespace) -> RequestDefaults:
 
 
 def _command_launch(args: argparse.Namespace) -> int:
-    from dlo_worker.launch import launch
+    from dlo_worker.cli.launch import launch
 
     arguments = args.torchrun_arguments
     if arguments[:1] == ["--"]:
@@ -329,7 +331,7 @@ def _command_cache_warm(args: argparse.Namespace) -> int:
     if not config.offload.dlo_enable_runtime_cache:
         raise UsageError("cache warm needs --dlo-enable-runtime-cache (the flags `serve` gets)")
 
-    from dlo_worker.runtime_cache.warm import warm_runtime_cache
+    from dlo_worker.cli.cache import warm_runtime_cache
 
     report = warm_runtime_cache(config)
     print(json.dumps(report))

@@ -1,8 +1,8 @@
-"""Runs the worker's HTTP app (:mod:`dlo_worker.http_app`) on uvicorn, from a thread.
+"""Runs the worker's HTTP app (:mod:`dlo_worker.serving.app`) on uvicorn, from a thread.
 
 The server starts before the model loads, so the liveness and startup probes pass while
 a large checkpoint is still loading, and stops last in the shutdown order. Generation
-runs on the main thread in :mod:`dlo_worker.engine`; the HTTP thread runs one asyncio
+runs on the main thread in :mod:`dlo_worker.engine.waves`; the HTTP thread runs one asyncio
 event loop, so connections cost a socket each, never a thread.
 
 The socket is bound here, before uvicorn starts, so a port in use is an error the caller
@@ -23,7 +23,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from dlo_worker.http_app import (
+from dlo_worker.serving.app import (
     GENERATE_PATH,
     HTTPLimits,
     Phase,

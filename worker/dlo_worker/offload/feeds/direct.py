@@ -1,6 +1,6 @@
 """The host source of blocks whose mapped views are registered with the device driver.
 
-With registration (:mod:`dlo_worker.offload.registration`) the copy engine reads the
+With registration (:mod:`dlo_worker.offload.feeds.registration`) the copy engine reads the
 mapping itself, so a load is one copy per mapped piece straight into its offset in the
 slot: no pack, no staging buffer. A runtime-cache entry stores each block in the slot's
 own layout, so its pieces coalesce into one copy per dtype; a checkpoint mapping gives

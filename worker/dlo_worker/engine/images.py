@@ -22,7 +22,7 @@ class OutputPathError(ValueError, UserFixableError):
 
 TEMPORARY_NAME_EXTRA = len(".") + len(".") + 8
 """The atomic write's temporary file beside the image is ``.<name>.<8 random characters>``
-(:func:`dlo_worker.generate.write_png`), so the name must leave room for it."""
+(:func:`dlo_worker.engine.generation.write_png`), so the name must leave room for it."""
 
 
 def check_output_path(path: Path, *, make_parents: bool) -> None:

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dlo_worker.termination import write_termination_message
+from dlo_worker.process.termination import write_termination_message
 
 EXIT_DIR_ENV = "DLO_EXIT_DIR"
 LOCAL_RANK_ENV = "LOCAL_RANK"

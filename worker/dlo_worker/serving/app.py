@@ -1,4 +1,4 @@
-"""The worker's HTTP routes as a FastAPI app; :mod:`dlo_worker.server` runs it on uvicorn.
+"""The worker's HTTP routes as a FastAPI app; :mod:`dlo_worker.serving.server` runs it on uvicorn.
 
 Every node's local rank 0 serves the health endpoints (the kubelet probes every Pod of
 an engine) and ``/metrics``; the engine's leader (global rank 0) also takes generation
@@ -32,21 +32,21 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from dlo_worker import metrics
-from dlo_worker.engine import (
-    GenerationFailedError,
-    IntakeClosedError,
-    QueueFullError,
-    RequestQueue,
-)
-from dlo_worker.openai_images import IMAGES_PATH, ImagesRequest, error_body, images_response
-from dlo_worker.requests import (
+from dlo_worker.engine.request import (
     NO_DEFAULTS,
     GenerationRequest,
     RequestDefaults,
     RequestLimits,
     request_problems,
 )
+from dlo_worker.engine.waves import (
+    GenerationFailedError,
+    IntakeClosedError,
+    QueueFullError,
+    RequestQueue,
+)
+from dlo_worker.observability import metrics
+from dlo_worker.serving.openai import IMAGES_PATH, ImagesRequest, error_body, images_response
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """``dlo-worker serve``: the container entrypoint, from first probe to ordered shutdown.
 
 Start: the HTTP server (health first, so the startup probe passes while a large
-model loads), then :class:`~dlo_worker.worker.Worker` (process groups, pipeline,
+model loads), then :class:`~dlo_worker.process.worker.Worker` (process groups, pipeline,
 DLO backend), then the engine's waves. SIGTERM while loading aborts through the
 worker's SystemExit path. SIGTERM while serving starts the drain the architecture
 prescribes: stop intake (readiness turns 503 ``draining``), finish every queued
@@ -17,14 +17,14 @@ import signal
 import types
 from dataclasses import dataclass
 
-from dlo_worker import metrics
 from dlo_worker.config import ShardingGroup, WorkerConfig
-from dlo_worker.engine import Engine, RequestQueue
+from dlo_worker.engine.generation import request_limits
+from dlo_worker.engine.request import NO_DEFAULTS, RequestDefaults, defaults_problems
+from dlo_worker.engine.waves import Engine, RequestQueue
 from dlo_worker.errors import UserFixableError
-from dlo_worker.generate import request_limits
-from dlo_worker.requests import NO_DEFAULTS, RequestDefaults, defaults_problems
-from dlo_worker.server import Phase, ServerState, WorkerHTTPServer
-from dlo_worker.worker import Worker
+from dlo_worker.observability import metrics
+from dlo_worker.process.worker import Worker
+from dlo_worker.serving.server import Phase, ServerState, WorkerHTTPServer
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Clients and gateways (the OpenAI SDKs, LiteLLM, API gateways) speak this shape, so the
 worker accepts it beside its raw-PNG route. This module only translates (pure): the body
-becomes a :class:`~dlo_worker.requests.GenerationRequest`, PNGs become the response, and
+becomes a :class:`~dlo_worker.engine.request.GenerationRequest`, PNGs become the response, and
 errors take OpenAI's ``{"error": {"message", "type", "param", "code"}}`` form.
 """
 
@@ -14,7 +14,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dlo_worker.requests import MAX_IMAGES_PER_REQUEST, MAX_PROMPT_CHARACTERS, GenerationRequest
+from dlo_worker.engine.request import (
+    MAX_IMAGES_PER_REQUEST,
+    MAX_PROMPT_CHARACTERS,
+    GenerationRequest,
+)
 
 IMAGES_PATH = "/v1/images/generations"
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")

@@ -5,7 +5,7 @@ with one configuration; the CLI's ``generate`` and the HTTP server share it.
 The schema bounds every field; :func:`request_problems` then checks a request
 against what the loaded pipeline actually uses (:class:`RequestLimits`), so a field
 the model would ignore or overflow is refused instead of silently dropped. JSON bodies
-are validated strictly (:func:`dlo_worker.http_app`): a number must be a JSON number, never
+are validated strictly (:func:`dlo_worker.serving.app`): a number must be a JSON number, never
 a string or a boolean; the CLI's flags arrive as text and are parsed as numbers.
 """
 

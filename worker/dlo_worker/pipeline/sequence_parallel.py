@@ -7,7 +7,7 @@ heads with an all-to-all (Ulysses), and the output is gathered again, so every S
 ends each step with the same latents; text encoders and the VAE run whole on every rank.
 
 The ranks form one ``(dp, ring, ulysses)`` device mesh laid out like
-:func:`dlo_worker.distributed.group_ranks` (``rank = dp * SP + sp``; TP is refused with
+:func:`dlo_worker.process.topology.group_ranks` (``rank = dp * SP + sp``; TP is refused with
 SP), so the mesh's Ulysses dimension of a rank is exactly its SP group; with DP > 1 every
 DP replica has its own SP group, and DLO's AllGather keeps the DP group.
 
@@ -108,7 +108,7 @@ def apply(
 ) -> list[str]:
     """Enable Ulysses context parallelism on every DiT of ``pipeline`` (their classes were
     checked by :func:`check_model`); returns the components it applied to. The world of
-    :mod:`dlo_worker.distributed` is already initialized."""
+    :mod:`dlo_worker.process.topology` is already initialized."""
     from diffusers.models._modeling_parallel import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 

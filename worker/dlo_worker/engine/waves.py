@@ -9,7 +9,7 @@ reports the images. An idle leader broadcasts an empty wave every
 ``heartbeat_s`` so the followers' waits stay far inside the control group's timeout.
 
 With DLO AllGather over DP (``lockstep``) every rank must run the same block sequence,
-so a wave only holds requests with the same :func:`~dlo_worker.requests.wave_key`
+so a wave only holds requests with the same :func:`~dlo_worker.engine.request.wave_key`
 (sizes and image counts may differ) and idle ranks run a dummy copy of the wave's first
 request whose image is discarded. Otherwise (resident or rank-local DLO) idle ranks
 simply sit the wave out and requests mix freely.
@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from dlo_worker import metrics
-from dlo_worker.generate import generate_images
-from dlo_worker.requests import GenerationRequest, wave_key
+from dlo_worker.engine.generation import generate_images
+from dlo_worker.engine.request import GenerationRequest, wave_key
+from dlo_worker.observability import metrics
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -254,7 +254,7 @@ class Engine:
         self.rank = rank
         self.world_size = world_size
         self.sequence_parallel_size = sequence_parallel_size
-        # Ranks are laid out DP-major (dlo_worker.distributed): an SP group is a run of
+        # Ranks are laid out DP-major (dlo_worker.process.topology): an SP group is a run of
         # neighbouring ranks, and a wave has one slot per group.
         self.slots = world_size // sequence_parallel_size
         self.slot = rank // sequence_parallel_size

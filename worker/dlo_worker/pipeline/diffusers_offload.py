@@ -42,14 +42,6 @@ class GroupOffloadUnsupportedError(ValueError, UserFixableError):
     """The model's DiT class does not support diffusers' group offloading."""
 
 
-def stays_on_host(policy: OffloadPolicy, component: str, dit_components: tuple[str, ...]) -> bool:
-    """Whether the loader leaves ``component`` in host memory for the offload to move:
-    every component under model-level offload, the DiTs under group offloading."""
-    if policy == OffloadPolicy.MODEL_CPU_OFFLOAD:
-        return True
-    return policy == OffloadPolicy.LAYERWISE_OFFLOAD and component in dit_components
-
-
 def check_device(policy: OffloadPolicy, device: torch.device) -> None:
     if policy in DIFFUSERS_POLICIES and device.type != "cuda":
         raise OffloadDeviceError(

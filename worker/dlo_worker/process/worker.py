@@ -19,17 +19,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dlo_worker import diffusers_offload, metrics, quantization, sequence_parallel
 from dlo_worker.config import OffloadPolicy, Quantization, ShardingGroup, WorkerConfig
-from dlo_worker.devices import resolve_device, resolve_dtype
-from dlo_worker.distributed import Topology, init_topology
 from dlo_worker.loader.diffusers_loader import (
     DIT_COMPONENTS,
     BackingDecision,
     DiffusersPipelineLoader,
 )
+from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
-from dlo_worker.offload.host_source import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightPlanError
+from dlo_worker.pipeline import diffusers_offload, quantization, sequence_parallel
+from dlo_worker.process.devices import resolve_device, resolve_dtype
+from dlo_worker.process.topology import Topology, init_topology
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline

@@ -1,4 +1,4 @@
-"""The CUDA :class:`~dlo_worker.offload.registration.HostRegistrar`: ``cudaHostRegister``
+"""The CUDA :class:`~dlo_worker.offload.feeds.registration.HostRegistrar`: ``cudaHostRegister``
 with the read-only flag, through the CUDA runtime torch already loaded.
 
 A file-backed shared mapping opened read-only can only be registered with
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dlo_worker.offload.registration import PlatformRegistrationError
+from dlo_worker.offload.feeds.registration import PlatformRegistrationError
 
 HOST_REGISTER_READ_ONLY = 0x08
 """``cudaHostRegisterReadOnly``."""

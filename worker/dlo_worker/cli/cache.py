@@ -8,7 +8,7 @@ import time
 import torch
 
 from dlo_worker.config import WorkerConfig
-from dlo_worker.devices import resolve_device, resolve_dtype
+from dlo_worker.process.devices import resolve_device, resolve_dtype
 
 
 def warm_runtime_cache(config: WorkerConfig) -> dict:

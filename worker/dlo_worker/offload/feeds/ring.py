@@ -32,8 +32,8 @@ import torch
 
 from dlo_worker.errors import UserFixableError
 from dlo_worker.offload.block import StreamedBlock, coalesce
-from dlo_worker.offload.cuda_registrar import loaded_cudart
-from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.feeds.arena import HostArena
+from dlo_worker.offload.feeds.cuda_registrar import loaded_cudart
 
 if TYPE_CHECKING:
     from dlo_worker.offload.slots import TransferCounters
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 CHUNKS_PER_LANE = 2
 """A packer fills one chunk while the copy engine reads its previous one."""
 
-_LIBRARY_MODULE = "dlo_worker.offload._staging_ring"
+_LIBRARY_MODULE = "dlo_worker.offload.feeds._staging_ring"
 
 
 class StagingRingUnavailableError(RuntimeError, UserFixableError):

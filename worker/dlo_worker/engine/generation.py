@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dlo_worker import metrics
+from dlo_worker.engine.images import check_output_path, new_file_mode
+from dlo_worker.engine.request import GenerationRequest, Guidance, RequestLimits
 from dlo_worker.errors import UserFixableError
-from dlo_worker.output import check_output_path, new_file_mode
-from dlo_worker.requests import GenerationRequest, Guidance, RequestLimits
+from dlo_worker.observability import metrics
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -36,7 +36,7 @@ class NonFiniteOutputError(RuntimeError):
 
 def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) -> dict[str, Any]:
     """The keyword arguments that run ``request`` on ``pipeline``; the request was checked
-    with :func:`dlo_worker.requests.request_problems`, so every field given is used.
+    with :func:`dlo_worker.engine.request.request_problems`, so every field given is used.
 
     The noise generator lives on the CPU so a seed gives the same latents on any device.
     """
@@ -146,8 +146,8 @@ def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> 
 
 def write_png(image: Image.Image, path: Path, *, make_parents: bool = False) -> Path:
     """Write ``image`` as PNG atomically (a reader sees the old file or the whole new one),
-    with the mode :func:`dlo_worker.output.new_file_mode` gives; the path was checked with
-    :func:`dlo_worker.output.check_output_path` before the model loaded."""
+    with the mode :func:`dlo_worker.engine.images.new_file_mode` gives; the path was checked with
+    :func:`dlo_worker.engine.images.check_output_path` before the model loaded."""
     path = path.resolve()
     check_output_path(path, make_parents=make_parents)
     if make_parents:

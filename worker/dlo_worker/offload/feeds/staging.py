@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlo_worker.offload.block import HostCopy, MappedPiece, StreamedBlock, whole_buffers
-from dlo_worker.offload.host import HostArena
+from dlo_worker.offload.feeds.arena import HostArena
 
 if TYPE_CHECKING:
     from dlo_worker.offload.slots import TransferCounters

@@ -16,7 +16,7 @@ staging), verify every view is seen as pinned, unregister before the mappings cl
 A rollback that fails cannot be made safe (unmapping a still-registered range is
 undefined), so it raises :class:`RegistrationRollbackError` and keeps the views alive
 until the process ends. The platform is a :class:`HostRegistrar`;
-:mod:`dlo_worker.offload.cuda_registrar` is the CUDA one.
+:mod:`dlo_worker.offload.feeds.cuda_registrar` is the CUDA one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Logs, Prometheus metrics and host-memory accounting; imports nothing of the worker."""

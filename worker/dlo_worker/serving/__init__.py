@@ -1,0 +1,1 @@
+"""HTTP serving: the routes, the OpenAI-compatible images API and the uvicorn server."""
