@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from dlo_operator.api import (
     GROUP,
@@ -88,7 +89,7 @@ def structural(schema: dict[str, Any], definitions: dict[str, Any] | None = None
     return result
 
 
-def _model_schema(model: type) -> dict[str, Any]:
+def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
     return structural(model.model_json_schema(by_alias=True, mode="validation"))
 
 

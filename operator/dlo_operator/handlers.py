@@ -23,8 +23,9 @@ import datetime
 import json
 import logging
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import kopf
 from kubernetes import client
@@ -78,8 +79,10 @@ class TimedApiClient(client.ApiClient):
     (the client's own default is to wait forever)."""
 
     def call_api(self, *args: Any, _request_timeout: Any = None, **kwargs: Any) -> Any:
-        timeout = REQUEST_TIMEOUT_S if _request_timeout is None else _request_timeout
-        return super().call_api(*args, _request_timeout=timeout, **kwargs)
+        kwargs["_request_timeout"] = (
+            REQUEST_TIMEOUT_S if _request_timeout is None else _request_timeout
+        )
+        return super().call_api(*args, **kwargs)
 
 
 _api: client.ApiClient | None = None
@@ -126,7 +129,7 @@ def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
         objects.addFilter(DrainWaitIsNotAnError())
     # kopf hands its (live) indexes to every handler; the queue's threads read them here.
     _indexes.update({index: kwargs[index] for index in INDEXES})
-    start_workers(_queue, lambda key: sync(key[1], key[0]), QUEUE_WORKERS, name="dlo-reconcile")
+    start_workers(_queue, _sync_key, QUEUE_WORKERS, name="dlo-reconcile")
 
 
 def _post(body: dict[str, Any], events: list[Event], changed: set[str]) -> None:
@@ -296,10 +299,16 @@ def _observe_warming(
     return nodes, jobs
 
 
+def _sync_key(key: Hashable) -> None:
+    """A pass for a queued ``(namespace, name)`` key."""
+    namespace, name = cast(tuple[str, str], key)
+    sync(name, namespace)
+
+
 def _api_message(error: client.ApiException) -> str:
     """The API server's own message (its Status body), else the HTTP reason."""
     try:
-        return json.loads(error.body)["message"]
+        return json.loads(error.body or "")["message"]
     except (TypeError, ValueError, KeyError):
         return f"{error.status} {error.reason}"
 
@@ -584,7 +593,11 @@ no event will come then, so the timer runs that pass."""
 
 
 def _note_backoff(key: tuple[str, str], status: DiffusionDeploymentStatus) -> None:
-    ends = [parse_time(e.next_restart_time) for e in status.engines if e.next_restart_time]
+    ends = [
+        end
+        for e in status.engines
+        if e.next_restart_time and (end := parse_time(e.next_restart_time)) is not None
+    ]
     if not ends:
         _backoff_ends.pop(key, None)
         return

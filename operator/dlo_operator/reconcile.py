@@ -214,13 +214,16 @@ def _condition(
     """A condition whose transition time only moves when its status changes."""
     status = "True" if true else "False"
     earlier = previous.get(kind)
-    changed = earlier is None or earlier.status != status
+    if earlier is not None and earlier.status == status:
+        since = earlier.last_transition_time
+    else:
+        since = _now()
     return Condition(
         type=kind,
         status=status,
         reason=reason,
         message=message,
-        last_transition_time=_now() if changed else earlier.last_transition_time,
+        last_transition_time=since,
         observed_generation=generation,
     )
 

@@ -458,7 +458,7 @@ def _hsdp_errors(parallel: ParallelOptions) -> list[str]:
 def _dlo_options_without_dlo(offload: OffloadOptions) -> list[str]:
     defaults = OffloadOptions()
     set_dlo_options = [
-        (NEGATIVE_FLAGS.get(name) if name in NEGATIVE_FLAGS else flag_for(name))
+        NEGATIVE_FLAGS.get(name, flag_for(name))
         for name in OffloadOptions.model_fields
         if name.startswith("dlo_") and getattr(offload, name) != getattr(defaults, name)
     ]

@@ -430,7 +430,7 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dlo-worker", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"dlo-worker {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--log-level",
         choices=logs.LEVELS,

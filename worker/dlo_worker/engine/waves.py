@@ -203,9 +203,9 @@ class ControlChannel:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self._group = (
-            dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if world_size > 1 else None
-        )
+        # Every rank is in this group, so new_group never answers "not a member" here.
+        group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT) if world_size > 1 else None
+        self._group = group if isinstance(group, dist.ProcessGroup) else None
 
     def broadcast(self, wave: Wave | None) -> Wave:
         """The leader passes its wave; the followers pass None and receive it."""
@@ -214,7 +214,10 @@ class ControlChannel:
             return wave
         box: list[Wave | None] = [wave]
         dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
+        received = box[0]
+        if received is None:
+            raise RuntimeError("rank 0 broadcast no wave; every follower waits for the leader's")
+        return received
 
     def gather(self, result: list[bytes] | str | None) -> list[list[bytes] | str | None]:
         """Every rank's result at the leader (followers get an empty list)."""

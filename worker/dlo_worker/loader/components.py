@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -101,7 +101,9 @@ def inspect_pipeline(model_dir: Path, dtype: torch.dtype) -> PipelineInspection:
     return PipelineInspection(loaded, skeletons, meta)
 
 
-def diffusers_skeleton(model_class: type, component_dir: Path, dtype: torch.dtype) -> nn.Module:
+def diffusers_skeleton(
+    model_class: type[Any], component_dir: Path, dtype: torch.dtype
+) -> nn.Module:
     """A diffusers model with meta parameters, cast as ``from_pretrained`` would cast it;
     buffers keep their init values."""
     from accelerate import init_empty_weights
@@ -112,7 +114,7 @@ def diffusers_skeleton(model_class: type, component_dir: Path, dtype: torch.dtyp
     return model.eval()
 
 
-def transformers_skeleton(model_class: type, component_dir: Path) -> nn.Module:
+def transformers_skeleton(model_class: type[Any], component_dir: Path) -> nn.Module:
     """A transformers model with meta parameters (its dtypes do not matter here: it is
     checked against its checkpoint and gives the meta pipeline its shape)."""
     from accelerate import init_empty_weights
@@ -185,7 +187,7 @@ def _built(directory: Path, build: Callable[[], nn.Module]) -> nn.Module:
         ) from None
 
 
-def _scheduler(directory: Path, scheduler_class: type) -> object:
+def _scheduler(directory: Path, scheduler_class: type[Any]) -> object:
     """The scheduler from its config, after a trial ``set_timesteps`` on a second copy."""
     path = directory / "scheduler_config.json"
     read_json_object(path)
@@ -218,7 +220,7 @@ def _try_timesteps(scheduler: object) -> None:
         scheduler.set_timesteps(2, **given)  # type: ignore[attr-defined]
 
 
-def _tokenizer(directory: Path, tokenizer_class: type) -> object:
+def _tokenizer(directory: Path, tokenizer_class: type[Any]) -> object:
     try:
         tokenizer = tokenizer_class.from_pretrained(str(directory), local_files_only=True)
     except Exception as error:  # the libraries raise anything for a damaged file

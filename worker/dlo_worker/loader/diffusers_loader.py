@@ -51,7 +51,7 @@ from dlo_worker.runtime_cache import (
     CacheReport,
     CacheRequest,
     RuntimeCacheEntry,
-    SkipLoadLookup,
+    SkipLoadHit,
     attach_runtime_cache,
     entry_for_source,
     record_source,
@@ -129,7 +129,7 @@ class DiffusersPipelineLoader:
         classes = dit_classes(self.model_dir, DIT_COMPONENTS)
         source = self._cache_source(classes) if self._uses_runtime_cache() else None
         hit = self._skip_load(source)
-        prepared = self._prepare_dits(classes, hit, source)
+        prepared = self._prepare_dits(classes, hit)
         pipeline = DiffusionPipeline.from_pretrained(
             str(self.model_dir),
             dtype=self.dtype,
@@ -166,17 +166,15 @@ class DiffusersPipelineLoader:
         )
         return pipeline
 
-    def _prepare_dits(
-        self, dit_classes: dict[str, str], hit: SkipLoadLookup | None, source: CacheSource | None
-    ) -> PreparedDiTs:
+    def _prepare_dits(self, dit_classes: dict[str, str], hit: SkipLoadHit | None) -> PreparedDiTs:
         """Skeletons bound to the entry on a skip-load hit, else each DiT's preflight."""
         prepared = PreparedDiTs()
         if hit is not None:
             self.cache_report = hit.report
-            for component, skeleton in source.skeletons.items():
+            for component, skeleton in hit.skeletons.items():
                 prepared.prebuilt[component] = skeleton
                 prepared.bound.add(component)
-            prepared.reasons.append(self.cache_report.describe())
+            prepared.reasons.append(hit.report.describe())
             return prepared
         for component, class_name in dit_classes.items():
             dit = self._prepare_dit(component, class_name)
@@ -192,7 +190,7 @@ class DiffusersPipelineLoader:
     def _host_backing(
         self,
         pipeline: DiffusionPipeline,
-        hit: SkipLoadLookup | None,
+        hit: SkipLoadHit | None,
         prepared: PreparedDiTs,
         source: CacheSource | None,
     ) -> HostBacking:
@@ -218,13 +216,14 @@ class DiffusersPipelineLoader:
             if isinstance(module := pipeline.components.get(name), nn.Module)
         ]
         request = self._cache_request(prepared.adapters)
-        entry, self.cache_report = attach_runtime_cache(request, dits)
-        prepared.reasons.append(self.cache_report.describe())
+        entry, report = attach_runtime_cache(request, dits)
+        self.cache_report = report
+        prepared.reasons.append(report.describe())
         if entry is None:
             return HostBacking.ORDINARY
         self._plan = entry
-        if source is not None:
-            record_source(request, source.key, self.cache_report.key)
+        if source is not None and report.key is not None:
+            record_source(request, source.key, report.key)
         return HostBacking.RUNTIME_CACHE
 
     def _cache_source(self, dit_classes: dict[str, str]) -> CacheSource | None:
@@ -259,7 +258,7 @@ class DiffusersPipelineLoader:
         )
         return CacheSource(key, skeletons, adapters)
 
-    def _skip_load(self, source: CacheSource | None) -> SkipLoadLookup | None:
+    def _skip_load(self, source: CacheSource | None) -> SkipLoadHit | None:
         """The verified entry recorded for ``source`` (skip-load), per the configured mode:
         None on a miss (a corrupt entry is quarantined and the ordinary load rebuilds it),
         refused when required."""
@@ -267,11 +266,11 @@ class DiffusersPipelineLoader:
         if source is None or mode == SkipLoad.OFF:
             return None
         found = entry_for_source(self._cache_request(source.adapters), source.key, source.skeletons)
-        if found.entry is not None:
+        if isinstance(found, SkipLoadHit):
             return found
         if mode == SkipLoad.REQUIRED:
             raise RuntimeCacheMissError(
-                f"--dlo-runtime-cache-skip-load required: {found.why}; run `dlo-worker cache "
+                f"--dlo-runtime-cache-skip-load required: {found}; run `dlo-worker cache "
                 "warm` with the same flags first, or use preferred"
             )
         return None
@@ -370,8 +369,8 @@ def prepare_dit(
     # Read even when DLO is off: a corrupt checkpoint is a clear error on every path.
     checkpoint = read_checkpoint_index(component_dir)
     if checkpoint is None:
-        refused = Rejection("format", "no safetensors checkpoint")
-        return PreparedDiT(None, None, _report_fallback(component, refused, streams_dit))
+        no_checkpoint = Rejection("format", "no safetensors checkpoint")
+        return PreparedDiT(None, None, _report_fallback(component, no_checkpoint, streams_dit))
     skeleton = diffusers_skeleton(model_class, component_dir, dtype)
     if streams_dit:
         # Block discovery on the meta model: a DiT DLO cannot stream fails before any

@@ -13,6 +13,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,7 +31,7 @@ class CheckpointMappings:
     """Open safetensors mappings, one per file, handing out zero-copy views of bindings."""
 
     def __init__(self) -> None:
-        self._handles: dict[Path, object] | None = {}
+        self._handles: dict[Path, Any] | None = {}
 
     @property
     def closed(self) -> bool:

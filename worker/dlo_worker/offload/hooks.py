@@ -75,13 +75,15 @@ class BlockHooks:
         return bool(self._handles)
 
     def _pre_hook(self, block: StreamedBlock) -> Callable[..., None]:
-        def pre_forward(_module: torch.nn.Module, _args: tuple) -> None:
+        def pre_forward(_module: torch.nn.Module, _args: tuple[object, ...]) -> None:
             self.before_block(block)
 
         return pre_forward
 
     def _post_hook(self, block: StreamedBlock) -> Callable[..., None]:
-        def post_forward(_module: torch.nn.Module, _args: tuple, _output: object) -> None:
+        def post_forward(
+            _module: torch.nn.Module, _args: tuple[object, ...], _output: object
+        ) -> None:
             self.after_block(block)
 
         return post_forward
@@ -101,7 +103,8 @@ class BlockHooks:
         if slot_index is None:
             # Not prefetched: load into the slot the previous block did not use.
             slot_index = 1 - slots.last_used
-            slots.load(block, slot_index, upcoming=(prediction.successor, *prediction.following))
+            upcoming = (prediction.successor, *prediction.following) if prediction.successor else ()
+            slots.load(block, slot_index, upcoming=upcoming)
             counters.on_demand_loads += 1
         successor, other = prediction.successor, 1 - slot_index
         if successor not in (None, block) and slots.slots[other].block is not successor:

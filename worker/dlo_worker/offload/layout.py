@@ -13,7 +13,7 @@ For AllGather over ``N`` ranks the flat buffer is zero-padded to
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +104,7 @@ def build_block_layout(
 
 
 def streamed_parameters(
-    block: nn.Module, excluded: set[int] = frozenset()
+    block: nn.Module, excluded: frozenset[int] | set[int] = frozenset()
 ) -> list[tuple[str, nn.Parameter]]:
     """A block's parameters that stream, in the order its layout packs them (``excluded``:
     ids of parameters that stay resident, e.g. an embedder the DiT also calls directly).
@@ -124,7 +124,7 @@ def streamed_parameters(
     )
 
 
-def layout_of(named: list[tuple[str, torch.Tensor]]) -> BlockLayout:
+def layout_of(named: Sequence[tuple[str, torch.Tensor]]) -> BlockLayout:
     """The packed layout of ``(name, tensor)`` pairs, in order."""
     return build_block_layout((name, tuple(tensor.shape), tensor.dtype) for name, tensor in named)
 

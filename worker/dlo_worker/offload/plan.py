@@ -87,8 +87,11 @@ def _homogeneous_block_lists(module: nn.Module) -> tuple[str, ...]:
     weights (a list of activations or dropouts has nothing to stream)."""
     paths = []
     for name, child in module.named_children():
-        homogeneous = isinstance(child, nn.ModuleList) and len({type(b) for b in child}) == 1
-        if homogeneous and len(child) >= 1 and _holds_parameters(child):
+        if (
+            isinstance(child, nn.ModuleList)
+            and len({type(b) for b in child}) == 1
+            and _holds_parameters(child)
+        ):
             paths.append(name)
     return tuple(paths)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -83,7 +84,8 @@ def apply(
         for name in dit_components:
             component = pipeline.components.get(name)
             if isinstance(component, nn.Module):
-                component.enable_group_offload(
+                # diffusers adds it to its models; nn.Module does not declare it.
+                cast(Any, component).enable_group_offload(
                     onload_device=device,
                     offload_device=torch.device("cpu"),
                     offload_type="block_level",

@@ -25,6 +25,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -126,7 +127,8 @@ def apply(
                 ulysses_degree=parallel.sequence_parallel_size, mesh=mesh
             )
             with _cpu_accelerator_count():
-                component.enable_parallelism(config=config)
+                # diffusers adds it to its models; nn.Module does not declare it.
+                cast(Any, component).enable_parallelism(config=config)
             applied.append(name)
     logger.info(
         "sequence parallelism enabled",

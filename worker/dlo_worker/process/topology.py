@@ -98,13 +98,12 @@ def init_topology(parallel: ParallelOptions, device: torch.device) -> Topology:
         return Topology()
     rank = int(os.environ["RANK"])
     backend = "nccl" if device.type == "cuda" else "gloo"
-    init_kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend=backend, **init_kwargs)
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     groups: dict[ShardingGroup, dist.ProcessGroup] = {}
     for kind, rank_lists in group_ranks(parallel).items():
         for ranks in rank_lists:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks and group is not None:
+            if rank in ranks and isinstance(group, dist.ProcessGroup):
                 groups[kind] = group
     topology = Topology(
         rank=rank,

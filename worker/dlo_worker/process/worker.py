@@ -13,7 +13,6 @@ import logging
 import signal
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,15 +58,16 @@ class Worker:
         see :meth:`DiffusersPipelineLoader.load`), e.g. to refuse a request it cannot take."""
         if config.model.model is None:
             raise ValueError("--model is required")
+        self.model_dir = config.model.model
         self.config = config
         self._check_pipeline = check_pipeline
         self.device = resolve_device(config.model)
         self.dtype = resolve_dtype(config.model, self.device)
         self.topology = Topology()
         self.backend: DistributedLayerwiseOffloadBackend | None = None
-        self.pipeline: DiffusionPipeline | None = None
-        self.backing: BackingDecision | None = None
-        self._previous_sigterm = None
+        self._pipeline: DiffusionPipeline | None = None
+        self._backing: BackingDecision | None = None
+        self._previous_sigterm: signal._HANDLER = None
 
     def __enter__(self) -> Worker:
         self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -86,16 +86,14 @@ class Worker:
         # group offloading, a DiT class diffusers supports.
         policy = self.config.effective().offload_policy
         diffusers_offload.check_device(policy, self.device)
-        diffusers_offload.check_model(policy, Path(self.config.model.model), DIT_COMPONENTS)
-        sequence_parallel.check_model(
-            Path(self.config.model.model), DIT_COMPONENTS, self.config.parallel
-        )
+        diffusers_offload.check_model(policy, self.model_dir, DIT_COMPONENTS)
+        sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
         loader = DiffusersPipelineLoader(self.config, dtype=self.dtype, device=self.device)
-        self.pipeline = loader.load(self._check_pipeline)
-        self.backing = loader.decision
+        self._pipeline = loader.load(self._check_pipeline)
+        self._backing = loader.decision
         plan = loader.take_host_weight_plan()
         if self.config.model.quantization == Quantization.FP8:
             # Before DLO packs the blocks: it streams the FP8 weights (the loader kept them
@@ -110,6 +108,20 @@ class Worker:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
             )
+
+    @property
+    def pipeline(self) -> DiffusionPipeline:
+        """The loaded pipeline (offload enabled); only once :meth:`start` loaded it."""
+        if self._pipeline is None:
+            raise RuntimeError("the worker has not loaded its model: start it first")
+        return self._pipeline
+
+    @property
+    def backing(self) -> BackingDecision:
+        """How the DiTs' host weights are held and why; only once :meth:`start` loaded them."""
+        if self._backing is None:
+            raise RuntimeError("the worker has not loaded its model: start it first")
+        return self._backing
 
     def _enable_dlo(self, plan: HostWeightPlan | RuntimeCacheEntry | None) -> None:
         offload_config = offload_config_for(self.config, self.topology.groups)

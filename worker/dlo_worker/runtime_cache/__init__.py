@@ -60,7 +60,7 @@ __all__ = [
     "CacheRequest",
     "RuntimeCacheEntry",
     "RuntimeCacheStore",
-    "SkipLoadLookup",
+    "SkipLoadHit",
     "attach_runtime_cache",
     "entry_for_source",
     "record_source",
@@ -104,18 +104,17 @@ class CacheReport:
 
 
 @dataclass(frozen=True)
-class SkipLoadLookup:
-    """What a skip-load lookup found: the mapped entry and its report, or why not."""
+class SkipLoadHit:
+    """A skip-load hit: the mapped entry, its report, and the skeletons bound to it."""
 
-    entry: RuntimeCacheEntry | None
-    report: CacheReport | None
-    why: str
-    """Why there is no hit (empty on a hit)."""
+    entry: RuntimeCacheEntry
+    report: CacheReport
+    skeletons: dict[str, nn.Module]
 
 
 def entry_for_source(
     request: CacheRequest, source: str, skeletons: dict[str, nn.Module]
-) -> SkipLoadLookup:
+) -> SkipLoadHit | str:
     """Skip-load: the entry recorded for this source identity, verified, with the meta
     ``skeletons`` bound to its dtypes; or why there is none.
 
@@ -129,14 +128,13 @@ def entry_for_source(
     store = RuntimeCacheStore(request.root, request.lock_timeout, request.size_budget_bytes)
     found = _recorded_entry(store, source)
     if isinstance(found, str):
-        return SkipLoadLookup(None, None, found)
+        return found
     entry, key = found, found.directory.name
     foreign, corrupt = _bind_all(entry, skeletons, request)
     if foreign is not None:
         entry.close()
         store.forget_source(source, foreign)
-        why = f"the entry recorded for this model is another's ({foreign})"
-        return SkipLoadLookup(None, None, why)
+        return f"the entry recorded for this model is another's ({foreign})"
     if corrupt is None:
         with tqdm(
             total=entry.mapped_bytes,
@@ -149,7 +147,7 @@ def entry_for_source(
     if corrupt is not None:
         entry.close()
         _quarantine(store, key, corrupt)
-        return SkipLoadLookup(None, None, f"{corrupt}; quarantined")
+        return f"{corrupt}; quarantined"
     metrics.RUNTIME_CACHE_STARTS.labels(result="hit").inc()
     seconds = time.perf_counter() - started
     logger.info(
@@ -157,7 +155,7 @@ def entry_for_source(
         extra={"fields": {"key": key, "result": "hit", "seconds": round(seconds, 3)}},
     )
     report = CacheReport("hit", key, directory_bytes(entry.directory), seconds, "")
-    return SkipLoadLookup(entry, report, "")
+    return SkipLoadHit(entry, report, skeletons)
 
 
 def _recorded_entry(store: RuntimeCacheStore, source: str) -> RuntimeCacheEntry | str:
@@ -178,6 +176,7 @@ def _recorded_entry(store: RuntimeCacheStore, source: str) -> RuntimeCacheEntry 
         )
         return str(error)
     except EntryError as error:
+        assert key is not None  # only opening the recorded entry raises EntryError
         _quarantine(store, key, str(error))
         return f"{error}; quarantined"
 

@@ -32,7 +32,7 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     flat = tensor.detach().contiguous().reshape(-1)
     digest = hashlib.sha256()
     if flat.numel():
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+        digest.update(flat.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 

@@ -24,6 +24,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -135,7 +136,7 @@ def write_entry(directory: Path, identity: CacheIdentity, layouts: list[Componen
         for name, tensor in layout.others.items():
             tensor_name = f"{layout.component}/{name}"
             files.setdefault("others.safetensors", []).append(
-                (tensor_name, lambda tensor=tensor: tensor.detach().contiguous().clone())
+                (tensor_name, partial(_contiguous_copy, tensor))
             )
             others[name] = StoredTensor(file="others.safetensors", tensor=tensor_name)
         stored_components[layout.component] = StoredComponent(blocks=blocks, others=others)
@@ -169,6 +170,10 @@ def write_entry(directory: Path, identity: CacheIdentity, layouts: list[Componen
 
 
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _contiguous_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().clone()
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -255,8 +260,8 @@ class RuntimeCacheEntry:
                         views[f"{block.name}.{param_name}"] = flat[offset : offset + numel].view(
                             shape
                         )
-            for name, record in stored.others.items():
-                views[name] = _stored(handles[record.file], record.tensor, record.file)
+            for name, other in stored.others.items():
+                views[name] = _stored(handles[other.file], other.tensor, other.file)
 
     @property
     def components(self) -> Mapping[str, object]:

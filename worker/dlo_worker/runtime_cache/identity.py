@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from typing import Final
 
-FORMAT_VERSION = 3
+FORMAT_VERSION: Final = 3
 """Bumped whenever the files, the manifest or a digest change shape: old entries then miss
 (3: the content digest hashes each tensor on its own, :mod:`~dlo_worker.runtime_cache.digest`)."""
 

@@ -147,10 +147,10 @@ def _check_component(component: str, stored: StoredComponent, files: dict) -> No
             _check_spans(where, dtype, record)
             for param_name, *_ in record.spans:
                 names.add(_unique(f"{block.name}.{param_name}", names, component))
-    for name, record in stored.others.items():
-        _check_file(f"{component}.{name}", record.file, files)
-        if record.tensor != f"{component}/{name}":
-            raise ManifestError(f"{component}.{name}: stored as {record.tensor!r}")
+    for name, other in stored.others.items():
+        _check_file(f"{component}.{name}", other.file, files)
+        if other.tensor != f"{component}/{name}":
+            raise ManifestError(f"{component}.{name}: stored as {other.tensor!r}")
         names.add(_unique(name, names, component))
 
 

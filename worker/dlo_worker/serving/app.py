@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -350,7 +350,8 @@ async def _run(request: Request, queue: RequestQueue, generation: GenerationRequ
         raise APIError(429, str(error), outcome="rejected_busy", headers=retry) from None
     result = asyncio.wrap_future(future)
     client_gone = asyncio.ensure_future(_client_disconnect(request))
-    await asyncio.wait({result, client_gone}, return_when=asyncio.FIRST_COMPLETED)
+    waiting: set[asyncio.Future[Any]] = {result, client_gone}
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     client_gone.cancel()
     if not result.done():
         result.cancel()  # cancels the queued request unless its wave already runs

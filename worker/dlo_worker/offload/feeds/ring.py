@@ -26,7 +26,7 @@ import importlib.util
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -197,7 +197,7 @@ class StagingRing:
             self._arena.close()
             raise StagingRingError(f"creating the staging ring failed (error {error.value})")
         self._handle = handle
-        self._pieces: dict[int, list[tuple[torch.dtype, ctypes.Array, int]]] = {}
+        self._pieces: dict[int, list[tuple[torch.dtype, ctypes.Array[Any], int]]] = {}
         self._pending: dict[int, tuple[int, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = {}
         """Per slot, the last job that fills it and was not waited for, with its timing
         events (CUDA)."""
@@ -273,7 +273,7 @@ class StagingRing:
             chunks=stats.chunks,
         )
 
-    def _jobs(self, block: StreamedBlock) -> list[tuple[torch.dtype, ctypes.Array, int]]:
+    def _jobs(self, block: StreamedBlock) -> list[tuple[torch.dtype, ctypes.Array[Any], int]]:
         """Per dtype: the block's pieces as the ring reads them, and the packed size."""
         jobs = self._pieces.get(id(block))
         if jobs is None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -154,6 +154,10 @@ class HostStaging:
     def holding(self, block: StreamedBlock) -> StagingBuffer | None:
         return next((buffer for buffer in self.buffers if buffer.block is block), None)
 
+    @overload
+    def prefetch(self, block: StreamedBlock, *, evict: Literal[True]) -> StagingBuffer: ...
+    @overload
+    def prefetch(self, block: StreamedBlock, *, evict: bool = False) -> StagingBuffer | None: ...
     def prefetch(self, block: StreamedBlock, *, evict: bool = False) -> StagingBuffer | None:
         """Start packing ``block`` into the next buffer of the ring (after the copy out of
         it finished). Returns the buffer (also when ``block`` is already there), or ``None``
@@ -219,7 +223,8 @@ class HostStaging:
             return
         futures, buffer.packing = buffer.packing, []
         self._counters.pack_seconds += wait_all(futures)
-        self._counters.pack_bytes += buffer.block.layout.nbytes
+        if buffer.block is not None:
+            self._counters.pack_bytes += buffer.block.layout.nbytes
 
     def close(self) -> None:
         """Finish outstanding packs and drop the buffers (the caller synchronized copies)."""
