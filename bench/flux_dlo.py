@@ -1,7 +1,7 @@
 """Flux-class DLO benchmark: one denoising step of the real FluxTransformer2DModel configuration.
 
 Random bf16 weights (11.9 B parameters, 57 blocks). Every figure is measured in this
-process and printed as ratios against the limits of ``shared/design/ANCHORS.md``:
+process and printed as ratios against the limits of ``docs/limits.md``:
 
 - resident: all weights on the GPU;
 - transfer bound: streamed block bytes / pinned H2D bandwidth measured here;

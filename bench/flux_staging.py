@@ -24,7 +24,7 @@ of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` throu
 native chunk ring (``OffloadConfig.staging_ring``).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
-against the single-thread host-copy anchor of ANCHORS.md (30-34 GB/s).
+against the single-thread host-copy anchor of docs/limits.md (30-34 GB/s).
 
     python bench/flux_staging.py --resolutions 1024 2048 --json out.json
 

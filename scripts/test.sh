@@ -8,6 +8,10 @@ cd "$ROOT"
 echo "==> ruff"
 ruff check .
 ruff format --check .
+echo "==> mypy (strict on offload/ and config/, see pyproject.toml)"
+mypy
+echo "==> import contracts (the layers in pyproject.toml)"
+lint-imports
 echo "==> control-plane binaries (built once from Go modules, then cached)"
 python -m tests.cluster build
 echo "==> worker and operator images (buildah on a debootstrapped base; rebuilt when their sources change)"

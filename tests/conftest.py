@@ -38,3 +38,13 @@ def _cuda_available() -> bool:
 
 # tests/gpu runs on the accelerator machine (`pytest tests/gpu`); CI has no GPU.
 collect_ignore = [] if _cuda_available() else ["gpu"]
+
+_GPU_TESTS = Path(__file__).parent / "gpu"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test under tests/gpu carries the ``gpu`` marker, so `pytest -m gpu` runs the
+    accelerator tier alone and `-m "not gpu"` leaves it out on a machine with a GPU."""
+    for item in items:
+        if item.path.is_relative_to(_GPU_TESTS):
+            item.add_marker(pytest.mark.gpu)

@@ -80,7 +80,7 @@ class LockedMemory(StrEnum):
     """How a worker gets a locked-memory limit high enough for mlock or RDMA registration."""
 
     NONE = "None"
-    """cudaHostRegister/cudaHostAlloc need no RLIMIT_MEMLOCK (ANCHORS.md); the default."""
+    """cudaHostRegister/cudaHostAlloc need no RLIMIT_MEMLOCK (docs/limits.md); the default."""
     IPC_LOCK = "IpcLock"
     """Add the IPC_LOCK capability; the worker then runs as root (capabilities added to a
     non-root container are not effective: Kubernetes sets no ambient capabilities)."""

@@ -19,9 +19,11 @@ from dlo_worker.offload import (
     OffloadConfig,
     OffloadSetupError,
     enable_dlo,
+    ownership,
 )
-from dlo_worker.offload.backend import MARK
 from dlo_worker.offload.feeds.staging import Packer
+from dlo_worker.offload.ownership import MARK
+from dlo_worker.offload.setup import StreamSetup
 from dlo_worker.offload.slots import SlotPair
 from tests.support.equivalence import run_equivalence
 from tests.support.tiny_models import interleaved_stack, plain_stack, tiny_flux
@@ -89,8 +91,8 @@ def test_a_nested_block_list_streams_in_execution_order() -> None:
 
 
 STAGES = [
-    (DistributedLayerwiseOffloadBackend, "_check_parameters_are_not_shared"),
-    (DistributedLayerwiseOffloadBackend, "_fill_host"),
+    (ownership, "check_parameters_are_not_shared"),
+    (StreamSetup, "fill_host"),
     (SlotPair, "__init__"),
     (SlotPair, "load"),
 ]
@@ -100,7 +102,7 @@ the hooks were installed (priming the first block)."""
 
 @pytest.mark.parametrize(("owner", "step"), STAGES, ids=[step for _, step in STAGES])
 def test_a_failed_enable_leaves_nothing_behind(
-    monkeypatch: pytest.MonkeyPatch, owner: type, step: str
+    monkeypatch: pytest.MonkeyPatch, owner: object, step: str
 ) -> None:
     """Fault injection at one step boundary; everything acquired before it is released."""
     case = plain_stack(blocks=4)
@@ -188,7 +190,8 @@ def test_an_exception_inside_a_block_leaves_the_backend_usable() -> None:
 
 def test_packer_threads_end_with_disable() -> None:
     backend = enable_dlo(plain_stack(blocks=3).model, device=CPU)
-    assert isinstance(backend._packer, Packer)
+    assert backend._enabled is not None
+    assert isinstance(backend._enabled.packer, Packer)
     backend.disable()
     assert _pack_threads() == []
 

@@ -2,7 +2,7 @@
 
 The reference is a resident single-process server, itself checked against
 ``dlo-worker generate``. A DP=2 AllGather engine must return the same bytes for the
-same requests sent concurrently (lockstep waves with dummy slots), and SIGTERM must
+same requests sent concurrently (lockstep waves with dummy lanes), and SIGTERM must
 finish the request in flight before disabling DLO and destroying the process groups.
 """
 

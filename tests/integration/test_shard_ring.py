@@ -34,7 +34,8 @@ def _staged_ahead_rank(rank: int, world_size: int, store_path: str, depth: int) 
             allgather_shard_buffers=depth,
         )
         staged_at: dict[int, set[int]] = {}
-        ring = backend._slots.shard_ring  # the ring is what this test is about
+        assert backend._enabled is not None
+        ring = backend._enabled.slots.shard_ring  # the ring is what this test is about
         names = {id(block): index for index, block in enumerate(case.model.layers)}
         for index, block in enumerate(case.model.layers):
             # Registered after DLO's pre-hook, so it sees the state that hook left.

@@ -1,7 +1,5 @@
-"""Each row of the design doc's compatibility tables, as an accepted or rejected configuration.
-
-Rows come from ``distributed_layerwise_offload.md``: "Feature compatibility",
-"Parallelism compatibility" and "Combined dimensions".
+"""Each row of the compatibility table in docs/configuration.md (features, parallelism and
+their combinations), as an accepted or rejected configuration.
 """
 
 from __future__ import annotations

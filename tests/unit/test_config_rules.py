@@ -78,7 +78,15 @@ def test_quantization_other_than_per_tensor_fp8_with_allgather_is_rejected(metho
 
 
 def test_per_tensor_fp8_with_allgather_is_accepted() -> None:
-    config({"data_parallel_size": 2}, DLO, {"quantization": "fp8"})
+    """FP8 blocks are gathered over DP like any other; only a checkpoint mapping is ruled
+    out (the quantized weights are not the checkpoint's bytes)."""
+    effective = config({"data_parallel_size": 2}, DLO, {"quantization": "fp8"}).effective()
+    assert effective.transfer_mode == TransferMode.ALLGATHER
+    assert (effective.dlo_sharding_group, effective.dlo_sharding_size) == (
+        ShardingGroup.DATA_PARALLEL,
+        2,
+    )
+    assert effective.host_backing_candidates == [HostBacking.ORDINARY]
 
 
 def test_resident_layers_require_no_allgather() -> None:

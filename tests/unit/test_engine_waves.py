@@ -22,7 +22,7 @@ def test_lockstep_wave_takes_only_requests_with_the_heads_step_count() -> None:
     pending = [request(0), request(1, steps=8), request(2), request(3)]
     chosen, wave = plan_wave(pending, width=2, lockstep=True)
     assert chosen == [0, 2]
-    assert [slot.seed for slot in wave.slots] == [0, 2]
+    assert [lane.seed for lane in wave.lanes] == [0, 2]
     assert wave.discarded == frozenset()
 
 
@@ -30,7 +30,7 @@ def test_lockstep_wave_fills_idle_ranks_with_a_discarded_copy_of_the_head() -> N
     pending = [request(0), request(1, steps=8)]
     chosen, wave = plan_wave(pending, width=4, lockstep=True)
     assert chosen == [0]
-    assert wave.slots == (pending[0],) * 4
+    assert wave.lanes == (pending[0],) * 4
     assert wave.discarded == frozenset({1, 2, 3})
     assert not wave.empty
 
@@ -53,7 +53,7 @@ def test_lockstep_wave_mixes_sizes_and_image_counts_but_not_extra_guidance_passe
     ]
     chosen, wave = plan_wave(pending, width=3, lockstep=True)
     assert chosen == [0, 1, 3]
-    assert [slot.seed for slot in wave.slots] == [0, 1, 3]
+    assert [lane.seed for lane in wave.lanes] == [0, 1, 3]
     chosen, _ = plan_wave(pending[2:], width=2, lockstep=True)
     assert chosen == [0]
 
@@ -62,7 +62,7 @@ def test_independent_wave_mixes_keys_and_leaves_idle_ranks_idle() -> None:
     pending = [request(0), request(1, steps=8)]
     chosen, wave = plan_wave(pending, width=3, lockstep=False)
     assert chosen == [0, 1]
-    assert wave.slots == (pending[0], pending[1], None)
+    assert wave.lanes == (pending[0], pending[1], None)
     assert wave.discarded == frozenset()
 
 

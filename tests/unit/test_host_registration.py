@@ -130,10 +130,10 @@ def test_a_registered_checkpoint_block_is_one_copy_per_file(tmp_path: Path) -> N
             view = handle.get_tensor(span.name)
             shared = translator.view_of(view, mapping_of(view, private)).reshape(-1)
             pieces.append(MappedPiece(span.offset, span.numel, shared))
-    (copy,) = coalesce(pieces)
-    assert (copy.offset, copy.numel) == (0, layout.numel)
+    (merged,) = coalesce(pieces)
+    assert (merged.offset, merged.numel) == (0, layout.numel)
     expected = torch.cat([parameter.detach().reshape(-1) for _, parameter in named])
-    assert torch.equal(copy.source, expected)
+    assert torch.equal(merged.view, expected)
 
 
 def test_registration_hands_back_the_shared_views(mapped_views: list[torch.Tensor]) -> None:

@@ -70,13 +70,13 @@ def staging_for(blocks: list[StreamedBlock], packer: Packer, depth: int) -> Host
     capacity = slot_capacity([block.layout for block in blocks], 1)
     staging = HostStaging(capacity, packer, TransferCounters(), page_lock=False, depth=depth)
     for block in blocks:
-        block.source = staging
+        block.feed = staging
     return staging
 
 
 def load(staging: HostStaging, block: StreamedBlock, upcoming, event=None) -> torch.Tensor:
     (copy,) = staging.copies(block, 0)
-    data = copy.source.clone()
+    data = copy.tensor.clone()
     staging.copied(block, 0, event, tuple(upcoming))
     return data
 

@@ -1,9 +1,9 @@
 """Request waves: how the ranks of one engine share the requests its leader receives.
 
 Global rank 0 (the leader) owns intake. It repeatedly takes a *wave* from the queue,
-one slot per data-parallel rank, broadcasts it to every rank over a gloo control group
+one lane per data-parallel rank, broadcasts it to every rank over a gloo control group
 (CPU objects only, so an idle engine never holds a device collective open), runs its
-own slot, and gathers the encoded images. With sequence parallelism a slot belongs to a
+own lane, and gathers the encoded images. With sequence parallelism a lane belongs to a
 whole SP group: its ranks run the same request together and the group's first rank
 reports the images. An idle leader broadcasts an empty wave every
 ``heartbeat_s`` so the followers' waits stay far inside the control group's timeout.
@@ -65,19 +65,19 @@ class GenerationFailedError(RuntimeError):
 
 @dataclass(frozen=True)
 class Wave:
-    """One slot per DP rank: a request, or None when the rank sits the wave out.
+    """One lane per DP rank: a request, or None when the rank sits the wave out.
 
-    ``discarded`` names the slots that run a dummy copy only to keep a lockstep wave
+    ``discarded`` names the lanes that run a dummy copy only to keep a lockstep wave
     in step; their images are dropped. ``stop`` ends every rank's loop.
     """
 
-    slots: tuple[GenerationRequest | None, ...] = ()
+    lanes: tuple[GenerationRequest | None, ...] = ()
     discarded: frozenset[int] = frozenset()
     stop: bool = False
 
     @property
     def empty(self) -> bool:
-        return all(slot is None for slot in self.slots)
+        return all(lane is None for lane in self.lanes)
 
 
 def plan_wave(
@@ -85,24 +85,24 @@ def plan_wave(
 ) -> tuple[list[int], Wave]:
     """Choose which pending requests (by index, oldest first) run in the next wave (pure).
 
-    Returns the chosen indices, in slot order, and the wave. The oldest request always
+    Returns the chosen indices, in lane order, and the wave. The oldest request always
     runs, so a request is never starved by later ones with a different key.
     """
     if not pending:
-        return [], Wave(slots=(None,) * width)
+        return [], Wave(lanes=(None,) * width)
     head_key = wave_key(pending[0])
     chosen = [
         index
         for index, request in enumerate(pending)
         if not lockstep or wave_key(request) == head_key
     ][:width]
-    slots: list[GenerationRequest | None] = [pending[index] for index in chosen]
-    idle = range(len(slots), width)
+    lanes: list[GenerationRequest | None] = [pending[index] for index in chosen]
+    idle = range(len(lanes), width)
     if lockstep:
-        slots.extend(pending[0] for _ in idle)
-        return chosen, Wave(slots=tuple(slots), discarded=frozenset(idle))
-    slots.extend(None for _ in idle)
-    return chosen, Wave(slots=tuple(slots))
+        lanes.extend(pending[0] for _ in idle)
+        return chosen, Wave(lanes=tuple(lanes), discarded=frozenset(idle))
+    lanes.extend(None for _ in idle)
+    return chosen, Wave(lanes=tuple(lanes))
 
 
 @dataclass(eq=False)
@@ -258,9 +258,9 @@ class Engine:
         self.world_size = world_size
         self.sequence_parallel_size = sequence_parallel_size
         # Ranks are laid out DP-major (dlo_worker.process.topology): an SP group is a run of
-        # neighbouring ranks, and a wave has one slot per group.
-        self.slots = world_size // sequence_parallel_size
-        self.slot = rank // sequence_parallel_size
+        # neighbouring ranks, and a wave has one lane per group.
+        self.lanes = world_size // sequence_parallel_size
+        self.lane = rank // sequence_parallel_size
         self.reports = rank % sequence_parallel_size == 0
         self.lockstep = lockstep
         self.queue = queue
@@ -314,7 +314,7 @@ class Engine:
                 continue
             waves_run += 1  # every rank counts the same broadcast waves
             started = time.monotonic()
-            result = self._run_slot(wave, waves_run)
+            result = self._run_lane(wave, waves_run)
             results = self.channel.gather(result)
             if self.is_leader:
                 self._deliver(taken, wave, results, time.monotonic() - started)
@@ -327,15 +327,15 @@ class Engine:
             self._close_intake()
             if len(self.queue) == 0:
                 return [], Wave(stop=True)
-        return self.queue.take_wave(self.slots, self.lockstep, HEARTBEAT_S)
+        return self.queue.take_wave(self.lanes, self.lockstep, HEARTBEAT_S)
 
-    def _run_slot(self, wave: Wave, number: int) -> list[bytes] | str | None:
+    def _run_lane(self, wave: Wave, number: int) -> list[bytes] | str | None:
         """This rank's images as PNG bytes, an error message, or None when idle, discarded
         or not its SP group's reporting rank."""
-        request = wave.slots[self.slot]
+        request = wave.lanes[self.lane]
         if request is None:
             return None
-        discarded = self.slot in wave.discarded
+        discarded = self.lane in wave.discarded
         started = time.monotonic()
         try:
             pngs = [encode_png(image) for image in generate_images(self.pipeline, request)]
@@ -344,7 +344,7 @@ class Engine:
             return f"{type(error).__name__}: {error}"
         fields = {
             "rank": self.rank,
-            "slot": self.slot,
+            "lane": self.lane,
             "wave": number,
             "steps": request.steps,
             "width": request.width,
@@ -365,9 +365,9 @@ class Engine:
         seconds: float,
     ) -> None:
         metrics.WAVE_SECONDS.observe(seconds)
-        metrics.WAVE_OCCUPANCY.observe(len(taken) / max(len(wave.slots), 1))
-        for slot, submission in enumerate(taken):
-            result = results[slot * self.sequence_parallel_size]
+        metrics.WAVE_OCCUPANCY.observe(len(taken) / max(len(wave.lanes), 1))
+        for lane, submission in enumerate(taken):
+            result = results[lane * self.sequence_parallel_size]
             if isinstance(result, list):
                 submission.future.set_result(result)
                 metrics.REQUESTS.labels(outcome="ok").inc()

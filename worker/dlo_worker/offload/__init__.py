@@ -12,15 +12,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from dlo_worker.offload.backend import (
-    BackendState,
-    DistributedLayerwiseOffloadBackend,
-    OffloadSetupError,
-    OffloadStats,
-    UnsupportedHostBackingError,
-)
+from dlo_worker.offload.backend import BackendState, DistributedLayerwiseOffloadBackend
 from dlo_worker.offload.config import OffloadConfig
+from dlo_worker.offload.errors import OffloadSetupError, UnsupportedHostBackingError
 from dlo_worker.offload.plan import DiscoveryError, OffloadPlan, discover
+from dlo_worker.offload.stats import OffloadStats
 
 
 def enable_dlo(

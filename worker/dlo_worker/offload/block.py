@@ -1,7 +1,7 @@
 """Plain data types of streamed blocks (a leaf module: imports nothing else of offload/
 but the pure layout).
 
-One streamed block: its layout, its host source, and its parameters' two lives.
+One streamed block: its layout, its feed, and its parameters' two lives.
 
 A streamed parameter is either *placeholder* (an empty tensor of its dtype on the
 device, between runs) or *materialized* (a view into one of the two device slots,
@@ -21,16 +21,16 @@ from dlo_worker.offload.layout import BlockLayout
 
 
 class MappedPiece(NamedTuple):
-    """One parameter of a checkpoint-backed block: its flat layout range and its source view."""
+    """One parameter of a checkpoint-backed block: its flat layout range and its mapped view."""
 
     offset: int
     numel: int
-    source: torch.Tensor
+    view: torch.Tensor
     """Flat, contiguous view of the mapped checkpoint (transform already applied)."""
 
 
 def coalesce(pieces: list[MappedPiece]) -> list[MappedPiece]:
-    """Merge pieces (sorted by offset) whose sources sit in one storage exactly as far apart
+    """Merge pieces (sorted by offset) whose views sit in one storage exactly as far apart
     as their layout offsets, so a block packed in the slot's own layout (a runtime-cache
     entry) is one copy per dtype. The bytes between two merged pieces fill the layout's
     alignment gap, which nothing reads."""
@@ -39,7 +39,7 @@ def coalesce(pieces: list[MappedPiece]) -> list[MappedPiece]:
         if merged and _adjacent(merged[-1], piece):
             last = merged[-1]
             numel = piece.offset + piece.numel - last.offset
-            merged[-1] = MappedPiece(last.offset, numel, last.source.as_strided((numel,), (1,)))
+            merged[-1] = MappedPiece(last.offset, numel, last.view.as_strided((numel,), (1,)))
         else:
             merged.append(piece)
     return merged
@@ -47,13 +47,13 @@ def coalesce(pieces: list[MappedPiece]) -> list[MappedPiece]:
 
 def _adjacent(first: MappedPiece, second: MappedPiece) -> bool:
     same_storage = (
-        first.source.untyped_storage().data_ptr() == second.source.untyped_storage().data_ptr()
+        first.view.untyped_storage().data_ptr() == second.view.untyped_storage().data_ptr()
     )
-    distance = (second.offset - first.offset) * first.source.element_size()
+    distance = (second.offset - first.offset) * first.view.element_size()
     return (
         same_storage
         and second.offset >= first.offset + first.numel
-        and second.source.data_ptr() - first.source.data_ptr() == distance
+        and second.view.data_ptr() - first.view.data_ptr() == distance
     )
 
 
@@ -70,12 +70,12 @@ class StreamedParameter(NamedTuple):
 
 
 class HostCopy(NamedTuple):
-    """One host-to-device copy of a load: ``source`` lands at element ``offset`` of the
+    """One host-to-device copy of a load: ``tensor`` lands at element ``offset`` of the
     slot's ``dtype`` buffer."""
 
     dtype: torch.dtype
     offset: int
-    source: torch.Tensor
+    tensor: torch.Tensor
 
 
 def whole_buffers(tensors: dict[torch.dtype, torch.Tensor]) -> list[HostCopy]:
@@ -83,11 +83,11 @@ def whole_buffers(tensors: dict[torch.dtype, torch.Tensor]) -> list[HostCopy]:
     return [HostCopy(dtype, 0, tensor) for dtype, tensor in tensors.items()]
 
 
-class HostSource(Protocol):
-    """Where a streamed block's bytes come from when a slot loads it: the private arena
-    (``host.ArenaSource``), packed staging of mapped views (``staging.HostStaging``), or
-    registered mapped views copied directly (``direct_source.DirectSource``). A new host
-    backing is one new implementation."""
+class BlockFeed(Protocol):
+    """How a streamed block's bytes reach a slot that loads it: copied from the private
+    arena (``feeds.arena.ArenaFeed``), from mapped views packed into staging
+    (``feeds.staging.HostStaging``), or from registered mapped views directly
+    (``feeds.direct.DirectFeed``). A new copy path is one new implementation."""
 
     def copies(self, block: StreamedBlock, slot_index: int) -> list[HostCopy]:
         """The copies that fill slot ``slot_index`` with ``block`` (may wait for a pack)."""
@@ -106,8 +106,8 @@ class HostSource(Protocol):
 
 
 @runtime_checkable
-class FillingSource(Protocol):
-    """A host source that issues its own copies into the slot, from threads of its own
+class FillingFeed(Protocol):
+    """A feed that issues its own copies into the slot, from threads of its own
     (``feeds.ring.StagingRing``): the slot hands it the load and waits for it before
     compute orders itself after the slot's ready event."""
 
@@ -138,12 +138,12 @@ class StreamedBlock:
     layout: BlockLayout
     parameters: list[StreamedParameter]
     """In layout order."""
-    host_source: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    arena_views: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     """The flat complete block (rank-local) or this rank's shard (AllGather), per dtype."""
     mapped: dict[torch.dtype, list[MappedPiece]] = field(default_factory=dict)
     """Checkpoint-backed rank-local blocks: mapped views to pack through staging, per dtype."""
-    source: HostSource | FillingSource | None = None
-    """What hands the slot this block's host bytes (set by the backend once filled)."""
+    feed: BlockFeed | FillingFeed | None = None
+    """How this block's host bytes reach a slot (set by the backend once filled)."""
     slot_views: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
         default_factory=lambda: ([], [])
     )

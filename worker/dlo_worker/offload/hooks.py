@@ -110,16 +110,17 @@ class BlockHooks:
         if successor not in (None, block) and slots.slots[other].block is not successor:
             slots.load(successor, other, upcoming=prediction.following)
         if slots.shards > 1 and successor is not None:
-            slots.stage_ahead((successor, *prediction.following))
+            slots.copy_shards_ahead((successor, *prediction.following))
         slots.wait_ready(slot_index)
+        # Claimed from here: the post-hook releases the slot even if what follows raises.
+        self._slot_in_use[block] = slot_index
+        self._predicted[block] = prediction
+        slots.last_used = slot_index
         if not slots.on_cuda:
             # Synchronous copies are fully exposed on the CPU.
             counters.exposed_wait_seconds += time.perf_counter() - started
             counters.waits += 1
         block.materialize(slot_index)
-        slots.last_used = slot_index
-        self._slot_in_use[block] = slot_index
-        self._predicted[block] = prediction
 
     def after_block(self, block: StreamedBlock) -> None:
         """Release the slot and refill it at once with the block after next (the copy waits

@@ -1,7 +1,7 @@
 """The seam between whoever loaded the weights and the backend (a leaf module).
 
 The backend streams blocks whose parameters are ordinary tensors, or, when a loader
-proved it safe, reads them from a :class:`HostWeightSource`: an object that binds every
+proved it safe, reads them from a :class:`HostWeights`: an object that binds every
 tensor of some DiT components (``transformer``, ``transformer_2``) to a host view it
 hands out, and that is closed once the backend no longer needs it. The loader's
 ``HostWeightPlan`` (checkpoint mappings) is one, a node-local runtime-cache entry
@@ -17,12 +17,12 @@ import torch
 
 
 class HostWeightPlanError(RuntimeError):
-    """A host-weight source was used after it was closed, asked for a tensor it does not
+    """Host weights were used after they were closed, asked for a tensor they do not
     bind, or could not be consumed (the DiT was never materialized: no fallback)."""
 
 
 @runtime_checkable
-class HostWeightSource(Protocol):
+class HostWeights(Protocol):
     """Host views of the tensors of some DiT components, handed to the backend once."""
 
     @property

@@ -13,7 +13,7 @@ resident blocks in between, the next streamed block's copy overlaps their comput
 Each prediction also lists the ``lookahead`` blocks after the successor (``following``):
 with AllGather their shards are copied early, so blocks whose copies outlast their
 compute (Flux's double-stream blocks over two GPUs) borrow copy time from blocks whose
-compute outlasts their copies; a staged host source packs them into its free staging
+compute outlasts their copies; a staging feed packs them into its free staging
 buffers.
 
 A block that runs outside any DiT forward (a module used on its own) is loaded on demand

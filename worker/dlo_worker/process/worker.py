@@ -1,4 +1,4 @@
-"""The worker's lifecycle: start up in the design doc's order, shut down in reverse.
+"""The worker's lifecycle: start up in the order below, shut down in reverse.
 
 Start: process groups, then the pipeline (on the CPU when DLO will stream it),
 then the DLO backend, then sequence parallelism's hooks on the DiTs. Shutdown: stop

@@ -1,4 +1,4 @@
-"""The node-local runtime weight cache (design doc, "Post-load runtime cache").
+"""The node-local runtime weight cache (docs/runtime-cache.md).
 
 After the ordinary loader produced a DiT's final CPU tensors, every process of a node
 with the same identity maps one content-addressed entry instead of keeping a private
@@ -325,7 +325,7 @@ def attach_runtime_cache(
     request: CacheRequest, components: list[tuple[str, nn.Module]]
 ) -> tuple[RuntimeCacheEntry | None, CacheReport]:
     """Build or join the entry of these loaded DiTs; returns the mapped entry (a
-    ``HostWeightSource`` for the backend), or None on a fallback, and what happened."""
+    ``HostWeights`` for the backend), or None on a fallback, and what happened."""
     started = time.perf_counter()
     try:
         entry, outcome = _attach(request, components)

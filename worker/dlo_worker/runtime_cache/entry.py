@@ -11,7 +11,7 @@ size of every file, the writer and the creation time.
 Writing happens in a directory the caller publishes atomically (see ``store``); reading
 checks the manifest (:mod:`~dlo_worker.runtime_cache.manifest`) and each file's kind, size
 and modification time, maps the files and hands out zero-copy views through the
-``HostWeightSource`` protocol. :meth:`RuntimeCacheEntry.content_problem` re-derives the
+``HostWeights`` protocol. :meth:`RuntimeCacheEntry.content_problem` re-derives the
 content digest from those views.
 """
 
@@ -228,7 +228,7 @@ def file_problems(directory: Path, manifest: Manifest) -> list[str]:
 
 
 class RuntimeCacheEntry:
-    """A published entry, mapped read-only; a ``HostWeightSource`` for the DLO backend."""
+    """A published entry, mapped read-only; a ``HostWeights`` for the DLO backend."""
 
     backing = "runtime-cache"
     registrable = True

@@ -79,14 +79,14 @@ class HostArena:
         self._tensors.clear()
 
 
-class ArenaSource:
-    """The host source of blocks packed into the arena: their range is copied as it is."""
+class ArenaFeed:
+    """The feed of blocks packed into the arena: their range is copied as it is."""
 
     def copies(self, block: StreamedBlock, _slot_index: int) -> list[HostCopy]:
-        return whole_buffers(block.host_source)
+        return whole_buffers(block.arena_views)
 
     def copied(self, *_args: object) -> None:
         """Nothing to hand back: the arena range stays the block's."""
 
 
-ARENA = ArenaSource()
+ARENA = ArenaFeed()

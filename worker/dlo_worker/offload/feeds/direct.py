@@ -1,4 +1,4 @@
-"""The host source of blocks whose mapped views are registered with the device driver.
+"""The feed of blocks whose mapped views are registered with the device driver.
 
 With registration (:mod:`dlo_worker.offload.feeds.registration`) the copy engine reads the
 mapping itself, so a load is one copy per mapped piece straight into its offset in the
@@ -12,12 +12,12 @@ from __future__ import annotations
 from dlo_worker.offload.block import HostCopy, StreamedBlock
 
 
-class DirectSource:
-    """:class:`~dlo_worker.offload.block.HostSource` of registered mapped views."""
+class DirectFeed:
+    """:class:`~dlo_worker.offload.block.BlockFeed` of registered mapped views."""
 
     def copies(self, block: StreamedBlock, _slot_index: int) -> list[HostCopy]:
         return [
-            HostCopy(dtype, piece.offset, piece.source)
+            HostCopy(dtype, piece.offset, piece.view)
             for dtype, pieces in block.mapped.items()
             for piece in pieces
         ]
@@ -26,4 +26,4 @@ class DirectSource:
         """Nothing to hand back: the mapping stays registered until ``disable``."""
 
 
-DIRECT = DirectSource()
+DIRECT = DirectFeed()

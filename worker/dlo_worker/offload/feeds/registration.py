@@ -4,8 +4,7 @@ A rank-local block read from a mapping (a runtime-cache entry, or a checkpoint t
 matches the model exactly) is normally packed into pinned staging before its copy. If
 the mapping itself is registered with the driver (page-locked, read-only), the copy
 engine reads it directly: no pack, no staging, and the pages stay the ones every
-process of the node shares through the page cache (design doc, "Registered runtime-cache
-transfer").
+process of the node shares through the page cache (docs/host-storage.md).
 
 This module owns the platform-neutral part: which address ranges to register (the
 views grouped by the file mapping holding them, page-aligned, coalesced; pure and

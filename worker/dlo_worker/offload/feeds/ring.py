@@ -13,7 +13,7 @@ the interpreter with the thread that launches the model's kernels and could not 
 the copy engine busy. Without CUDA the same ring copies chunks with ``memcpy``, so the
 CPU tests run the native code.
 
-This is a *filling* source (:class:`~dlo_worker.offload.block.FillingSource`): a load
+This is a *filling* source (:class:`~dlo_worker.offload.block.FillingFeed`): a load
 hands the slot to the ring, which makes the copy stream wait for the slot's release,
 copies every chunk and records the slot's ready event; compute waits until the ring has
 enqueued that record before it orders itself after the event.
@@ -163,7 +163,7 @@ class RingCounters:
 
 
 class StagingRing:
-    """:class:`~dlo_worker.offload.block.FillingSource` of mapped views; see the module doc."""
+    """:class:`~dlo_worker.offload.block.FillingFeed` of mapped views; see the module doc."""
 
     def __init__(
         self,
@@ -283,7 +283,7 @@ class StagingRing:
                 array = (_Piece * len(merged))(
                     *(
                         _Piece(
-                            piece.source.data_ptr(),
+                            piece.view.data_ptr(),
                             piece.offset * dtype.itemsize,
                             piece.numel * dtype.itemsize,
                         )

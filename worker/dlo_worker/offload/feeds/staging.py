@@ -42,7 +42,7 @@ def pack_range(pieces: list[MappedPiece], start: int, stop: int, target: torch.T
     ``pieces`` are sorted by offset; ``target`` has ``stop - start`` elements.
     """
     cursor = start
-    for offset, numel, source in pieces:
+    for offset, numel, view in pieces:
         low, high = max(offset, start), min(offset + numel, stop)
         if offset >= stop:
             break
@@ -50,7 +50,7 @@ def pack_range(pieces: list[MappedPiece], start: int, stop: int, target: torch.T
             continue
         if low > cursor:
             target[cursor - start : low - start].zero_()
-        target[low - start : high - start].copy_(source[low - offset : high - offset])
+        target[low - start : high - start].copy_(view[low - offset : high - offset])
         cursor = high
     if cursor < stop:
         target[cursor - start :].zero_()
@@ -184,7 +184,7 @@ class HostStaging:
         return buffer
 
     def copies(self, block: StreamedBlock, _slot_index: int) -> list[HostCopy]:
-        """:class:`~dlo_worker.offload.block.HostSource`: the block packed into staging
+        """:class:`~dlo_worker.offload.block.BlockFeed`: the block packed into staging
         (waits for, or runs, its pack)."""
         buffer = self.prefetch(block, evict=True)
         waited = time.perf_counter()
@@ -212,7 +212,7 @@ class HostStaging:
             buffer.copied = event
             buffer.block = None
         for later in upcoming[: len(self.buffers) - 1]:
-            if later is block or later.source is not self:
+            if later is block or later.feed is not self:
                 continue
             if self.prefetch(later) is None:
                 return

@@ -1,0 +1,113 @@
+"""What the worker will do, derived purely from a valid configuration (no I/O but the
+environment variable that places the default cache root)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dlo_worker.config.flags import flag_for
+from dlo_worker.config.values import (
+    HostBacking,
+    OffloadPolicy,
+    Options,
+    Quantization,
+    ShardingGroup,
+    TransferMode,
+)
+
+if TYPE_CHECKING:
+    from dlo_worker.config.schema import ParallelOptions, WorkerConfig
+
+
+class EffectiveConfig(Options):
+    """What the worker will do, derived purely from a valid :class:`WorkerConfig`."""
+
+    offload_policy: OffloadPolicy
+    transfer_mode: TransferMode
+    dlo_sharding_group: ShardingGroup
+    dlo_sharding_size: int
+    dlo_resident_layers: int
+    host_backing_candidates: list[HostBacking]
+    """Host backings the loader may choose, most preferred first."""
+    world_size: int
+    warnings: list[str]
+
+
+def dlo_sharding_group(parallel: ParallelOptions, use_allgather: bool) -> tuple[ShardingGroup, int]:
+    """The DLO weight-sharding group and its size.
+
+    The existing DP group when DP > 1, else the SP group when SP > 1, else none.
+    Without AllGather DLO streams complete blocks, so the effective size is one.
+    TP is never DLO's group.
+    """
+    if not use_allgather:
+        return ShardingGroup.NONE, 1
+    if parallel.data_parallel_size > 1:
+        return ShardingGroup.DATA_PARALLEL, parallel.data_parallel_size
+    if parallel.sequence_parallel_size > 1:
+        return ShardingGroup.SEQUENCE_PARALLEL, parallel.sequence_parallel_size
+    return ShardingGroup.NONE, 1
+
+
+def _host_backing_candidates(config: WorkerConfig) -> list[HostBacking]:
+    offload, parallel = config.offload, config.parallel
+    if not offload.enable_distributed_layerwise_offload:
+        return [HostBacking.ORDINARY]
+    checkpoint_mmap_possible = (
+        parallel.tensor_parallel_size == 1
+        and not parallel.use_hsdp
+        and config.model.quantization == Quantization.NONE
+    )
+    candidates: list[HostBacking] = []
+    # A positive registration budget asks for the transform-complete final layout,
+    # so the runtime cache wins over a checkpoint mapping that may need adapters.
+    if offload.dlo_enable_runtime_cache and offload.dlo_runtime_cache_pin_limit_gib > 0:
+        candidates.append(HostBacking.RUNTIME_CACHE)
+    elif checkpoint_mmap_possible:
+        candidates.append(HostBacking.CHECKPOINT_MMAP)
+    if offload.dlo_enable_runtime_cache and HostBacking.RUNTIME_CACHE not in candidates:
+        candidates.append(HostBacking.RUNTIME_CACHE)
+    candidates.append(HostBacking.ORDINARY)
+    return candidates
+
+
+def resolve(config: WorkerConfig) -> EffectiveConfig:
+    """Derive the effective offload decisions from a validated configuration (pure)."""
+    offload = config.offload
+    warnings: list[str] = []
+    if offload.enable_distributed_layerwise_offload:
+        policy = OffloadPolicy.DLO
+        for name in ("enable_cpu_offload", "enable_layerwise_offload"):
+            if getattr(offload, name):
+                warnings.append(
+                    f"{flag_for(name)} is disabled because "
+                    "--enable-distributed-layerwise-offload takes priority"
+                )
+        group, size = dlo_sharding_group(config.parallel, offload.dlo_use_allgather)
+        transfer = TransferMode.ALLGATHER if size > 1 else TransferMode.RANK_LOCAL
+    else:
+        if offload.enable_cpu_offload:
+            policy = OffloadPolicy.MODEL_CPU_OFFLOAD
+        elif offload.enable_layerwise_offload:
+            policy = OffloadPolicy.LAYERWISE_OFFLOAD
+        else:
+            policy = OffloadPolicy.NONE
+        group, size, transfer = ShardingGroup.NONE, 1, TransferMode.NONE
+    return EffectiveConfig(
+        offload_policy=policy,
+        transfer_mode=transfer,
+        dlo_sharding_group=group,
+        dlo_sharding_size=size,
+        dlo_resident_layers=offload.dlo_resident_layers if policy == OffloadPolicy.DLO else 0,
+        host_backing_candidates=_host_backing_candidates(config),
+        world_size=config.parallel.world_size,
+        warnings=warnings,
+    )
+
+
+def default_runtime_cache_root() -> Path:
+    """``$XDG_CACHE_HOME/dlo-worker/runtime-cache`` (``~/.cache`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dlo-worker" / "runtime-cache"

@@ -1,0 +1,228 @@
+"""Every rule that combines options: what the design refuses (:func:`combination_errors`,
+checked when a configuration is built) and what this release cannot execute although the
+options are valid (:func:`execution_errors`). Each message names the flags and the fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dlo_worker.config.effective import dlo_sharding_group
+from dlo_worker.config.flags import NEGATIVE_FLAGS, flag_for
+from dlo_worker.config.values import OffloadPolicy, Quantization, SkipLoad
+
+if TYPE_CHECKING:
+    from dlo_worker.config.schema import OffloadOptions, ParallelOptions, WorkerConfig
+
+
+def combination_errors(config: WorkerConfig) -> list[str]:
+    """Every violated compatibility rule, each naming the options involved and the fix."""
+    parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
+    errors = _hsdp_errors(parallel)
+    if not offload.enable_distributed_layerwise_offload:
+        errors += _dlo_options_without_dlo(offload)
+        if offload.enable_cpu_offload and offload.enable_layerwise_offload:
+            errors.append(
+                "--enable-cpu-offload and --enable-layerwise-offload are alternatives; "
+                "choose one (or use --enable-distributed-layerwise-offload)"
+            )
+        return errors
+
+    if offload.dlo_use_allgather:
+        errors += _allgather_errors(config)
+    _, sharding_size = dlo_sharding_group(parallel, offload.dlo_use_allgather)
+    if sharding_size == 1 and (
+        offload.dlo_allgather_shard_buffers
+        != type(offload).model_fields["dlo_allgather_shard_buffers"].default
+    ):
+        errors.append(
+            "--dlo-allgather-shard-buffers applies only to DLO AllGather over a DP or SP "
+            "group of more than one rank (rank-local DLO copies whole blocks into its two "
+            "slots); drop it, or use --dlo-use-allgather with --data-parallel-size or "
+            "--sequence-parallel-size > 1"
+        )
+    if offload.dlo_resident_layers > 0 and offload.dlo_gpu_memory_budget_gib is not None:
+        errors.append(
+            "--dlo-resident-layers and --dlo-gpu-memory-budget-gib both choose the resident "
+            "blocks; set one of them"
+        )
+    if offload.dlo_enable_runtime_cache:
+        if quantization != Quantization.NONE:
+            errors.append(
+                f"--dlo-enable-runtime-cache rejects --quantization {quantization}: cache "
+                "entries hold unquantized final tensors; use --quantization none or drop "
+                "the runtime cache"
+            )
+        if parallel.use_hsdp:
+            errors.append(
+                "--dlo-enable-runtime-cache rejects --use-hsdp: HSDP/DTensor layouts cannot "
+                "be cached; drop one of them"
+            )
+    if offload.dlo_runtime_cache_skip_load != SkipLoad.PREFERRED and not (
+        offload.dlo_enable_runtime_cache
+    ):
+        errors.append(
+            "--dlo-runtime-cache-skip-load requires --dlo-enable-runtime-cache: it binds to "
+            "runtime-cache entries; add --dlo-enable-runtime-cache or drop it"
+        )
+    if offload.dlo_runtime_cache_size_budget_gib is not None and not (
+        offload.dlo_enable_runtime_cache
+    ):
+        errors.append(
+            "--dlo-runtime-cache-size-budget-gib requires --dlo-enable-runtime-cache: it bounds "
+            "the runtime cache; add --dlo-enable-runtime-cache or drop it"
+        )
+    if offload.dlo_runtime_cache_pin_limit_gib > 0 and sharding_size > 1:
+        errors.append(
+            "--dlo-runtime-cache-pin-limit-gib > 0 registers the mapped weights of rank-local "
+            "DLO, but with DLO AllGather each rank's shard already sits in private pinned "
+            "memory; add --dlo-no-use-allgather or set it to 0"
+        )
+    return errors
+
+
+def _allgather_errors(config: WorkerConfig) -> list[str]:
+    """Options that cannot run with DLO AllGather (sharded host weights)."""
+    parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
+    errors: list[str] = []
+    if parallel.use_hsdp:
+        errors.append(
+            "--use-hsdp cannot be combined with DLO AllGather: HSDP already shards the "
+            "parameters and DLO would shard them twice; add --dlo-no-use-allgather"
+        )
+    if quantization not in (Quantization.NONE, Quantization.FP8):
+        errors.append(
+            f"--quantization {quantization} cannot be combined with DLO AllGather: only "
+            "per-tensor fp8 has a validated shard layout; add --dlo-no-use-allgather or "
+            "use --quantization fp8 or none"
+        )
+    if offload.dlo_resident_layers > 0:
+        errors.append(
+            "--dlo-resident-layers requires --dlo-no-use-allgather: AllGather ranks stream "
+            "every block in lockstep; add --dlo-no-use-allgather or set it to 0"
+        )
+    if offload.dlo_gpu_memory_budget_gib is not None:
+        errors.append(
+            "--dlo-gpu-memory-budget-gib requires --dlo-no-use-allgather: it keeps blocks "
+            "resident, and AllGather ranks stream every block in lockstep; add "
+            "--dlo-no-use-allgather or drop it"
+        )
+    if offload.dlo_enable_runtime_cache:
+        errors.append(
+            "--dlo-enable-runtime-cache requires --dlo-no-use-allgather: the runtime cache "
+            "backs complete rank-local blocks; add --dlo-no-use-allgather"
+        )
+    return errors
+
+
+def _hsdp_errors(parallel: ParallelOptions) -> list[str]:
+    if not parallel.use_hsdp:
+        if parallel.hsdp_shard_size != -1 or parallel.hsdp_replicate_size != 1:
+            return ["--hsdp-shard-size and --hsdp-replicate-size require --use-hsdp; add it"]
+        return []
+    if parallel.data_parallel_size > 1 or parallel.tensor_parallel_size > 1:
+        return [
+            "--use-hsdp cannot be combined with --data-parallel-size > 1 or "
+            "--tensor-parallel-size > 1: HSDP only composes with sequence parallelism; "
+            "set both to 1 or drop --use-hsdp"
+        ]
+    world = parallel.world_size
+    if world % parallel.hsdp_replicate_size:
+        return [
+            f"--hsdp-replicate-size {parallel.hsdp_replicate_size} must divide the world "
+            f"size {world} (--sequence-parallel-size)"
+        ]
+    if parallel.effective_hsdp_shard_size * parallel.hsdp_replicate_size != world:
+        return [
+            f"--hsdp-shard-size {parallel.hsdp_shard_size} x --hsdp-replicate-size "
+            f"{parallel.hsdp_replicate_size} must equal the world size {world}; "
+            "use --hsdp-shard-size -1 to derive it"
+        ]
+    return []
+
+
+def _dlo_options_without_dlo(offload: OffloadOptions) -> list[str]:
+    set_dlo_options = [
+        NEGATIVE_FLAGS.get(name, flag_for(name))
+        for name, field in type(offload).model_fields.items()
+        if name.startswith("dlo_") and getattr(offload, name) != field.default
+    ]
+    if not set_dlo_options:
+        return []
+    return [
+        f"{', '.join(set_dlo_options)} apply only to DLO; add "
+        "--enable-distributed-layerwise-offload or drop them"
+    ]
+
+
+def execution_errors(config: WorkerConfig) -> list[str]:
+    """What this worker release cannot execute although the options are valid (pure).
+
+    The configuration models the whole design (the operator validates against it), but
+    quantization other than per-tensor FP8, TP and HSDP are not implemented, and diffusers'
+    offload modes need a CUDA device and run neither under SP nor with FP8. ``generate``,
+    ``serve`` and the operator refuse them with these messages (each names what would be
+    needed) instead of failing later.
+    """
+    errors: list[str] = []
+    policy = config.effective().offload_policy
+    if (
+        policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD)
+        and config.model.device == "cpu"
+    ):
+        flag = flag_for(
+            "enable_cpu_offload"
+            if policy == OffloadPolicy.MODEL_CPU_OFFLOAD
+            else "enable_layerwise_offload"
+        )
+        errors.append(
+            f"{flag} moves weights between host memory and a CUDA device, and --device is "
+            "cpu: drop the flag (on the CPU everything is in host memory already)"
+        )
+    quantization = config.model.quantization
+    if quantization not in (Quantization.NONE, Quantization.FP8):
+        errors.append(
+            f"--quantization {quantization} is not executed by this worker release; use "
+            "--quantization fp8 (per-tensor FP8 weights) or none"
+        )
+    elif quantization == Quantization.FP8 and policy in (
+        OffloadPolicy.MODEL_CPU_OFFLOAD,
+        OffloadPolicy.LAYERWISE_OFFLOAD,
+    ):
+        errors.append(
+            "--quantization fp8 is not run under diffusers' offload modes by this worker "
+            "release; stream the FP8 weights with --enable-distributed-layerwise-offload, or "
+            "run resident"
+        )
+    parallel = config.parallel
+    if parallel.sequence_parallel_size > 1 and policy in (
+        OffloadPolicy.MODEL_CPU_OFFLOAD,
+        OffloadPolicy.LAYERWISE_OFFLOAD,
+    ):
+        flag = flag_for(
+            "enable_cpu_offload"
+            if policy == OffloadPolicy.MODEL_CPU_OFFLOAD
+            else "enable_layerwise_offload"
+        )
+        errors.append(
+            f"--sequence-parallel-size {parallel.sequence_parallel_size} with {flag}: "
+            "diffusers' offload modes are not run under sequence parallelism by this worker "
+            "release; use --enable-distributed-layerwise-offload (DLO shards host weights "
+            "over the SP group) or --sequence-parallel-size 1"
+        )
+    if parallel.tensor_parallel_size > 1:
+        errors.append(
+            f"--tensor-parallel-size {parallel.tensor_parallel_size}: tensor parallelism needs "
+            "every DiT's attention and MLP linears sharded column- and row-wise (diffusers "
+            "plans that for a few classes only, as DTensors) and DLO streaming DTensor "
+            "shards, which this worker release does not implement; set "
+            "--tensor-parallel-size 1 and split work with --sequence-parallel-size or "
+            "--data-parallel-size"
+        )
+    if parallel.use_hsdp:
+        errors.append(
+            "--use-hsdp: HSDP needs each DiT wrapped in FSDP2 with its own parameter "
+            "lifecycle, which this worker does not implement (and DLO never shards an HSDP "
+            "group again); drop --use-hsdp and use --data-parallel-size with DLO AllGather, "
+            "which shards host weights over DP"
+        )
+    return errors

@@ -1,0 +1,49 @@
+"""What DLO did so far, as one frozen record (the metrics endpoint exports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What DLO did so far; exported by the metrics endpoint."""
+
+    transfer_mode: str
+    host_backing: str
+    """``ordinary`` or ``checkpoint-mmap`` (the loader's choice, consumed here)."""
+    shards: int
+    streamed_blocks: int
+    resident_blocks: int
+    blocks_loaded: int
+    on_demand_loads: int
+    """Blocks that were not prefetched when they ran (the first forward of a new order)."""
+    order_changes: int
+    """Forwards whose block order differed from the learned one (then relearned)."""
+    bytes_streamed: int
+    """Host-to-device bytes copied by this rank."""
+    allgather_bytes: int
+    exposed_wait_seconds: float
+    """Total time compute waited for weights."""
+    exposed_wait_seconds_per_block: float
+    h2d_seconds: float
+    h2d_gbps: float
+    host_bytes: int
+    """Private host bytes holding streamed weights on this rank (page-locked on CUDA)."""
+    staging_bytes: int
+    """The two pinned staging buffers of checkpoint-backed rank-local streaming."""
+    staging: str
+    """Unregistered mapped blocks: ``ring`` (the native chunk ring) or ``buffers``
+    (block-sized buffers); ``none`` without staging."""
+    host_registration: str
+    """Mapped blocks: ``registered`` (direct copies), ``off`` (no budget), or why staging
+    is used (``budget``, ``unsupported``, ``cpu``, ``adapter``, ``not-mapped``, ``failed``,
+    ``timeout``, ``not-pinned``); ``none`` without mapped blocks."""
+    registered_bytes: int
+    """Host bytes registered with the driver for direct copies (page-locked, shared)."""
+    pack_gbps: float
+    """Staging pack rate (bytes packed / pack wall time)."""
+    pack_wait_seconds: float
+    host_page_locked: bool
+    device_slot_bytes: int
+    largest_block_bytes: int
