@@ -37,13 +37,13 @@ from kubernetes import client, config, watch
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.crd import custom_resource_definition
-from tests.cluster.control_plane import ClusterState, down, up
 from tests.cluster.helpers import (
     chart_operator_arguments,
     eventually,
     manifest,
     request_totals,
 )
+from tests.harness.control_plane import ClusterState, down, up
 from tests.support.ports import free_port
 
 GPUS_PER_NODE = 8

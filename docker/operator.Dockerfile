@@ -1,7 +1,7 @@
 # The operator image: dlo_operator plus the worker's torch-free configuration code.
 # Build from the repository root: docker build -f docker/operator.Dockerfile -t dlo-operator .
 # BASE_IMAGE: any Debian-based image with Python 3.11 and pip on PATH (the local test
-# cluster builds one with debootstrap; see tests/cluster/images.py).
+# cluster builds one with debootstrap; see tests/harness/images.py).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 WORKDIR /opt/diffusion-dlo

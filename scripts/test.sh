@@ -15,7 +15,7 @@ lint-imports
 echo "==> control-plane binaries (built once from Go modules, then cached)"
 python -m tests.cluster build
 echo "==> worker and operator images (buildah on a debootstrapped base; rebuilt when their sources change)"
-if [ "$(id -u)" = 0 ] || python -c "import sys; from tests.cluster.images import missing_host_tools; sys.exit(bool(missing_host_tools()))"; then
+if [ "$(id -u)" = 0 ] || python -c "import sys; from tests.harness.images import missing_host_tools; sys.exit(bool(missing_host_tools()))"; then
   python -m tests.cluster images
 elif [ "${DLO_REQUIRE_REAL_NODES:-0}" = 1 ]; then
   echo "error: DLO_REQUIRE_REAL_NODES=1 (set by .ci/run) but building images needs root or buildah, debootstrap and runc installed" >&2

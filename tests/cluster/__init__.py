@@ -1,4 +1,5 @@
-"""A real local Kubernetes control plane for the operator's tests and for trying it by hand.
+"""The operator, chart and worker images tested against a real control plane
+(:mod:`tests.harness`), and the harness's command line:
 
 python -m tests.cluster build   # build the binaries into the cache (idempotent)
 python -m tests.cluster images  # build the worker and operator images (buildah; cached)

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from tests.cluster.build import Builder, BuildError
-from tests.cluster.control_plane import SERVICE_CIDR, ClusterError, default_directory, down, up
-from tests.cluster.images import ImageBuilder
+from tests.harness.build import Builder, BuildError
+from tests.harness.control_plane import SERVICE_CIDR, ClusterError, default_directory, down, up
+from tests.harness.images import ImageBuilder
 
 
 def _progress(line: str) -> None:

@@ -12,10 +12,10 @@ import pytest
 from kubernetes import client
 
 from dlo_operator.crd import custom_resource_definition
-from tests.cluster import nodes
-from tests.cluster.control_plane import ClusterState, down, up
 from tests.cluster.helpers import eventually
-from tests.cluster.images import missing_host_tools
+from tests.harness import nodes
+from tests.harness.control_plane import ClusterState, down, up
+from tests.harness.images import missing_host_tools
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +48,7 @@ def namespace(api_client) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def cluster_bin(cluster: ClusterState) -> Path:
-    from tests.cluster.build import Builder
+    from tests.harness.build import Builder
 
     return Builder().bin
 
@@ -110,7 +110,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 @pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
-    """Two real nodes (:mod:`tests.cluster.nodes`) and no fake ones, shared by the modules
+    """Two real nodes (:mod:`tests.harness.nodes`) and no fake ones, shared by the modules
     that need containers to run; skipped where the machine cannot host them."""
     if os.geteuid() != 0:
         _cannot_run_real_nodes("real nodes need root (containerd, cgroups, bridges)")

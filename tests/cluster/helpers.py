@@ -18,8 +18,8 @@ import yaml
 from kubernetes import client
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import ClusterState, admin_context
-from tests.cluster.pki import Pki
+from tests.harness.control_plane import ClusterState, admin_context
+from tests.harness.pki import Pki
 from tests.support.ports import free_port
 
 CHART = Path(__file__).parents[2] / "charts" / "dlo-operator"
@@ -42,7 +42,7 @@ def cluster_tool(
 ) -> subprocess.CompletedProcess[str]:
     """Run a built tool (``kubectl``, ``helm``) against the cluster, as a user would; Helm's
     directories go under ``home`` so tests never share or touch the user's."""
-    from tests.cluster.build import Builder
+    from tests.harness.build import Builder
 
     env = {
         **os.environ,
@@ -104,7 +104,7 @@ def _healthy(url: str) -> bool:
 
 def helm_template(*set_values: str, release: str = "dlo") -> list[dict[str, Any]]:
     """The chart's objects as ``helm template`` renders them (default values + ``--set``)."""
-    from tests.cluster.build import Builder
+    from tests.harness.build import Builder
 
     arguments = [str(Builder().bin / "helm"), "template", release, str(CHART)]
     for value in set_values:

@@ -18,7 +18,6 @@ import pytest
 from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import ClusterState, down, up
 from tests.cluster.helpers import (
     CHART,
     cluster_tool,
@@ -27,6 +26,7 @@ from tests.cluster.helpers import (
     manifest,
     running_operator,
 )
+from tests.harness.control_plane import ClusterState, down, up
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
 RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
@@ -143,12 +143,12 @@ def test_default_install_reconciles_the_example_in_a_namespace_created_later(
     assert tracebacks == []
 
 
-def test_a_second_operator_over_the_same_namespaces_is_refused(
-    chart_cluster, installed, tmp_path: Path
-) -> None:
-    """A second release with crd.install=false started a second cluster-wide operator,
-    and two operators reconciled the same deployments."""
-    result = tool(
+def install_second_operator(
+    chart_cluster: ClusterState, watched: str, home: Path
+) -> subprocess.CompletedProcess[str]:
+    """``helm install second`` of the chart in its own namespace, sharing the installed CRD
+    and watching ``watched`` only."""
+    return tool(
         chart_cluster,
         "helm",
         "install",
@@ -160,9 +160,17 @@ def test_a_second_operator_over_the_same_namespaces_is_refused(
         "--set",
         "crd.install=false",
         "--set",
-        "watchNamespaces={tenant}",
-        home=tmp_path,
+        f"watchNamespaces={{{watched}}}",
+        home=home,
     )
+
+
+def test_a_second_operator_over_the_same_namespaces_is_refused(
+    chart_cluster, installed, tmp_path: Path
+) -> None:
+    """A second release with crd.install=false started a second cluster-wide operator,
+    and two operators reconciled the same deployments."""
+    result = install_second_operator(chart_cluster, "tenant", tmp_path)
     assert result.returncode != 0
     assert (
         f"watchNamespaces: release {RELEASE} in namespace {OPERATOR_NAMESPACE} already runs a "
@@ -233,21 +241,7 @@ def test_watched_namespaces_get_a_role_each_and_nothing_beyond_them(
         assert [line for line in lines if re.search(r"\b403\b|Forbidden", line)] == []
 
         # Disjoint namespaces: a second operator is allowed.
-        second = tool(
-            chart_cluster,
-            "helm",
-            "install",
-            "second",
-            str(CHART),
-            "--namespace",
-            "second-system",
-            "--create-namespace",
-            "--set",
-            "crd.install=false",
-            "--set",
-            "watchNamespaces={elsewhere}",
-            home=tmp_path,
-        )
+        second = install_second_operator(chart_cluster, "elsewhere", tmp_path)
         assert second.returncode == 0, second.stderr
         tool(chart_cluster, "helm", "uninstall", "second", "-n", "second-system", home=tmp_path)
     finally:

@@ -28,10 +28,10 @@ from urllib3.exceptions import ProtocolError
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.render import LABEL_DEPLOYMENT, LABEL_ROLE
-from tests.cluster import nodes
-from tests.cluster.control_plane import ClusterState
 from tests.cluster.helpers import CHART, cluster_tool, eventually
-from tests.cluster.images import ImageBuilder
+from tests.harness import nodes
+from tests.harness.control_plane import ClusterState
+from tests.harness.images import ImageBuilder
 from tests.support.generate import DEMO_REQUEST, host_generate
 
 NAMESPACE, NAME, RELEASE = "e2e", "demo", "dlo"

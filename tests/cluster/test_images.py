@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
+from tests.harness.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
 from tests.support.generate import demo_flags, host_generate
 
 WORKER_UID = 65532

@@ -14,8 +14,8 @@ import yaml
 
 from dlo_operator.api import DiffusionDeploymentSpec
 from dlo_operator.render import Owner, render_children, render_engine_pods
-from tests.cluster.build import Builder
 from tests.cluster.helpers import helm_template
+from tests.harness.build import Builder
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "diffusiondeployment.yaml"

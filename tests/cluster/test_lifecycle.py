@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.cluster.control_plane import ClusterState, down, is_running, up
+from tests.harness.control_plane import ClusterState, down, is_running, up
 
 
 def test_up_twice_reuses_the_cluster_and_down_stops_every_component(tmp_path: Path) -> None:

@@ -217,7 +217,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusiondeployment.yaml"
 
 
 def _kubectl(cluster, *args: str) -> str:
-    from tests.cluster.build import Builder
+    from tests.harness.build import Builder
 
     result = subprocess.run(
         [str(Builder().bin / "kubectl"), *args],

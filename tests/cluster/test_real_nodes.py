@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from tests.cluster import babysitter
-from tests.cluster.control_plane import ClusterState
 from tests.cluster.helpers import eventually
-from tests.cluster.images import ImageBuilder
+from tests.harness import babysitter
+from tests.harness.control_plane import ClusterState
+from tests.harness.images import ImageBuilder
 from tests.support.generate import demo_flags, host_generate
 
 WORKER_UID = 65532

@@ -16,8 +16,8 @@ import pytest
 from kubernetes import client, config
 
 from dlo_operator.api import GROUP, PLURAL, VERSION
-from tests.cluster.control_plane import ClusterState, down, restart, up
 from tests.cluster.helpers import create, events, eventually, manifest, running_operator
+from tests.harness.control_plane import ClusterState, down, restart, up
 
 
 def _status(api_client, namespace: str, name: str) -> dict:

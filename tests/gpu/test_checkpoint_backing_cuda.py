@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dlo_worker.config import HostBacking
 from dlo_worker.offload import OffloadConfig
@@ -21,11 +20,11 @@ from tests.support import checkpoints
 from tests.support.checkpoints import (
     run_staging_ring,
     run_worker,
+    spawn_against_resident,
     transformer_outputs,
     worker_config,
 )
 from tests.support.launch import join_world_as
-from tests.support.ports import free_port
 
 VARIANTS = ("single", "sharded", "fused")
 
@@ -98,11 +97,4 @@ def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected:
 def test_nccl_allgather_from_the_checkpoint_is_bitwise_equal(
     variant, variants, resident, tmp_path: Path
 ) -> None:
-    expected = tmp_path / "resident.pt"
-    torch.save(resident, expected)
-    mp.spawn(
-        _allgather_rank,
-        args=(2, free_port(), str(variants[variant]), str(expected)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_against_resident(_allgather_rank, variants[variant], resident, tmp_path)

@@ -28,6 +28,7 @@ from tests.support import checkpoints
 from tests.support.checkpoints import (
     run_staging_ring,
     run_worker,
+    spawn_against_resident,
     transformer_outputs,
     worker_config,
 )
@@ -218,14 +219,7 @@ def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected:
 def test_allgather_checkpoint_backing_is_bitwise_equal(
     variant, variants, resident, tmp_path: Path
 ) -> None:
-    expected = tmp_path / "resident.pt"
-    torch.save(resident, expected)
-    mp.spawn(
-        _allgather_rank,
-        args=(2, free_port(), str(variants[variant]), str(expected)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_against_resident(_allgather_rank, variants[variant], resident, tmp_path)
 
 
 def test_generate_names_a_truncated_checkpoint_and_exits_2(

@@ -193,5 +193,5 @@ def test_an_sp_engine_serves_the_generated_bytes_and_refuses_sizes_that_do_not_s
     assert sorted(logs) == [0, 1], output
     for log in logs.values():
         # Both ranks of the SP group ran the request in slot 0 of one wave.
-        assert re.search(r'msg="request done".* slot=0 wave=1', log), log
+        assert re.search(r'msg="request done".* lane=0 wave=1', log), log
         assert log.index('msg="dlo disabled"') < log.index('msg="process groups destroyed"')

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from dlo_worker.config import WorkerConfig, build_config
@@ -20,6 +22,7 @@ from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, OffloadStats
 from dlo_worker.process.worker import Worker
+from tests.support.ports import free_port
 
 FORWARDS = 3
 QKV = re.compile(r"^(?P<attention>.+)\.to_q\.(?P<kind>weight|bias)$")
@@ -170,3 +173,22 @@ def run_staging_ring(
     finally:
         backend.disable()
     return outputs, stats, smallest_block
+
+
+def spawn_against_resident(
+    rank_main: Callable[[int, int, int, str, str], None],
+    model: Path,
+    resident: list[torch.Tensor],
+    tmp_path: Path,
+    world_size: int = 2,
+) -> None:
+    """Run ``rank_main(rank, world_size, port, model, expected)`` in ``world_size``
+    processes, ``expected`` being the file the resident outputs were saved to."""
+    expected = tmp_path / "resident.pt"
+    torch.save(resident, expected)
+    mp.spawn(
+        rank_main,
+        args=(world_size, free_port(), str(model), str(expected)),
+        nprocs=world_size,
+        join=True,
+    )

@@ -14,22 +14,8 @@ from dlo_worker.config import (
     OffloadPolicy,
     ShardingGroup,
     TransferMode,
-    build_config,
 )
-
-DLO = {"enable_distributed_layerwise_offload": True}
-NO_ALLGATHER = {**DLO, "dlo_use_allgather": False}
-
-
-def config(
-    parallel: dict[str, Any] | None = None,
-    offload: dict[str, Any] | None = None,
-    model: dict[str, Any] | None = None,
-):
-    return build_config(
-        {"model": model or {}, "parallel": parallel or {}, "offload": offload or {}}
-    )
-
+from tests.support.configs import DLO, NO_ALLGATHER, config
 
 ACCEPTED = {
     "dp-allgather": ({"data_parallel_size": 4}, DLO, {}),

@@ -8,37 +8,15 @@ from typing import Any
 import pytest
 
 from dlo_worker.config import (
-    ConfigError,
     HostBacking,
     OffloadPolicy,
     ParallelOptions,
     ShardingGroup,
     TransferMode,
     WorkerConfig,
-    build_config,
     dlo_sharding_group,
 )
-
-DLO = {"enable_distributed_layerwise_offload": True}
-NO_ALLGATHER = {**DLO, "dlo_use_allgather": False}
-
-
-def config(
-    parallel: dict[str, Any] | None = None,
-    offload: dict[str, Any] | None = None,
-    model: dict[str, Any] | None = None,
-) -> WorkerConfig:
-    return build_config(
-        {"model": model or {}, "parallel": parallel or {}, "offload": offload or {}}
-    )
-
-
-def rejected(**groups: dict[str, Any]) -> str:
-    with pytest.raises(ConfigError) as error:
-        config(**groups)
-    message = str(error.value)
-    assert "\n" not in message
-    return message
+from tests.support.configs import DLO, NO_ALLGATHER, config, rejected
 
 
 def test_defaults_match_the_design_doc() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tests.cluster.build import (
+from tests.harness.build import (
     Versions,
     build_key,
     kubernetes_ldflags,

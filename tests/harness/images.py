@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.build import BuildError, Progress, cache_root
+from tests.harness.build import BuildError, Progress, cache_root
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 RECIPE_REVISION = "1"

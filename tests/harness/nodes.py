@@ -5,7 +5,7 @@ Every node gets its own containerd (a kubelet garbage-collects whatever its runt
 shows, so two kubelets must not share one), state and socket directory, kubelet root
 directory and ports, cgroup parent (``/dlo-<cluster>-<node>`` in every cgroup v1
 controller, created here) and bridge with its own pod CIDR (``10.244.<i>.0/24``). The
-images come from :mod:`tests.cluster.images` as OCI archives, imported into each node's
+images come from :mod:`tests.harness.images` as OCI archives, imported into each node's
 containerd, so no registry is needed; the sandbox ("pause") image is the base image
 sleeping. What this machine needs that a stock node would not:
 
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.cluster.build import BuildError, Progress
+from tests.harness.build import BuildError, Progress
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REAL_NODE_LABEL = ("dlo.dev/node", "real")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.images import IMAGES, image_key
+from tests.harness.images import IMAGES, image_key
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The node agents' babysitter (tests/cluster/babysitter.py) and the report a real-node
+"""The node agents' babysitter (tests/harness/babysitter.py) and the report a real-node
 timeout carries: a real process tree, real signals."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import babysitter
-from tests.cluster.control_plane import ClusterError, _wait, log_excerpt
+from tests.harness import babysitter
+from tests.harness.control_plane import ClusterError, _wait, log_excerpt
 
 
 def _wait_for(condition, timeout_s: float = 20) -> None:

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.cluster import babysitter, nodes
-from tests.cluster import pki as pki_module
-from tests.cluster.build import NODE_BINARIES, Builder, cache_root
-from tests.cluster.nodes import host_address
+from tests.harness import babysitter, nodes
+from tests.harness import pki as pki_module
+from tests.harness.build import NODE_BINARIES, Builder, cache_root
+from tests.harness.nodes import host_address
 from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
@@ -63,7 +63,7 @@ class ClusterState:
     server: str
     components: list[Component]
     real_nodes: list[dict] = field(default_factory=list)
-    """The :class:`~tests.cluster.nodes.NodePlan` of each real node (``down`` cleans them)."""
+    """The :class:`~tests.harness.nodes.NodePlan` of each real node (``down`` cleans them)."""
 
     @classmethod
     def load(cls, directory: Path) -> ClusterState | None:
@@ -185,7 +185,7 @@ class _Launcher:
         supervised: bool = False,
     ) -> Path:
         """Start ``name`` (from the bin directory, or ``executable``) in its own session;
-        ``supervised``: under :mod:`tests.cluster.babysitter`, which restarts it whenever it
+        ``supervised``: under :mod:`tests.harness.babysitter`, which restarts it whenever it
         exits (the node agents: a stock node's systemd does the same)."""
         log = self.directory / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -265,7 +265,7 @@ def up(
     progress: Progress = print,
 ) -> ClusterState:
     """Start the control plane (or return the one already running in ``directory``), with
-    ``nodes`` fake GPU nodes and ``real_nodes`` real ones (:mod:`tests.cluster.nodes`)."""
+    ``nodes`` fake GPU nodes and ``real_nodes`` real ones (:mod:`tests.harness.nodes`)."""
     directory = (directory or default_directory()).resolve()
     existing = ClusterState.load(directory)
     if existing and all(is_running(component) for component in existing.components):
@@ -541,7 +541,7 @@ def _start_real_nodes(
     """containerd and a kubelet per node (images imported), then wait until Ready."""
     from kubernetes import client, config
 
-    from tests.cluster.images import ImageBuilder
+    from tests.harness.images import ImageBuilder
 
     nodes.ensure_runtime(progress)
     images = ImageBuilder(progress=progress).ensure()

@@ -6,7 +6,7 @@ is about to watch disappears while another node's kubelet starts. A real node re
 it; so does this: ``python babysitter.py -- COMMAND...`` runs COMMAND in the babysitter's
 own process group, restarts it whenever it exits, with a backoff from 1 s to 10 s (the
 kubeadm unit's ``RestartSec``), and writes one line per restart into the same log. SIGTERM
-stops the command and then the babysitter; :func:`tests.cluster.control_plane._stop`
+stops the command and then the babysitter; :func:`tests.harness.control_plane._stop`
 signals the whole group anyway.
 
 Run as a script (no imports from the project), so it starts from any directory.
