@@ -24,5 +24,6 @@ else
   echo "    skipped: building images needs root or buildah, debootstrap and runc installed"
 fi
 echo "==> pytest"
-# pytest exits 5 when nothing was collected, which fails this script too.
-pytest "$@"
+# pytest exits 5 when nothing was collected, which fails this script too. The 25 slowest
+# tests are listed at the end: where the test command's time goes.
+pytest --durations=25 "$@"

@@ -39,7 +39,12 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
     )
-    import dlo_operator.handlers  # noqa: F401 (registers the handlers with kopf)
+    from dlo_operator.apicalls import api_client
+    from dlo_operator.controller import Controller
+    from dlo_operator.kopf_handlers import register
+
+    registry = kopf.OperatorRegistry()
+    register(Controller(api_client()), registry)
 
     if args.metrics_port:
         # The process's own collectors (python_info, gc, process) stay: they are the
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         prometheus_client.start_http_server(args.metrics_port)
 
     kopf.run(
+        registry=registry,
         standalone=True,
         # kopf wants a collection here even when cluster-wide (None crashes its
         # namespace fallback); an empty one with clusterwide=True watches everything.

@@ -2,7 +2,7 @@
 
 What an operator's user alerts on: passes that fail (the API server refusing or away),
 passes that take long, a work queue that does not drain, Events posted by reason. Each
-metric has one owner that updates it: the pass wrapper in :mod:`dlo_operator.handlers`,
+metric has one owner that updates it: the pass wrapper in :mod:`dlo_operator.controller`,
 the work queue's length, and :func:`dlo_operator.events.post_event`.
 """
 

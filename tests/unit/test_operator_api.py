@@ -155,7 +155,10 @@ def test_the_operator_never_imports_torch() -> None:
     import subprocess
     import sys
 
-    probe = "import sys, dlo_operator.handlers; assert 'torch' not in sys.modules"
+    probe = (
+        "import sys, dlo_operator.kopf_handlers, dlo_operator.__main__; "
+        "assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", probe], check=True)
 
 

@@ -346,9 +346,9 @@ def test_pods_held_back_for_a_refused_service_are_named_in_the_message() -> None
 
 
 def test_the_timer_runs_a_pass_only_when_one_is_due() -> None:
-    from dlo_operator.handlers import RESYNC_S, TIMER_INTERVAL_S, _LastPass, pass_due
+    from dlo_operator.controller import RESYNC_S, TIMER_INTERVAL_S, LastPass, pass_due
 
-    recent = _LastPass(at=100.0, refused=False)
+    recent = LastPass(at=100.0, refused=False)
     steady = {"first_tick": 90.0, "running": False, "warming": False, "lapsed": False}
     # The create or resume handler runs the first pass; the timer's first tick adds none.
     first = {**steady, "first_tick": 100.0}
@@ -358,11 +358,11 @@ def test_the_timer_runs_a_pass_only_when_one_is_due() -> None:
     assert not pass_due(None, 100.0 + TIMER_INTERVAL_S, **{**first, "running": True})
     assert not pass_due(recent, 110.0, **steady)  # events keep it current
     assert pass_due(recent, 100.0 + RESYNC_S, **steady)  # the resync
-    assert pass_due(_LastPass(at=100.0, refused=True), 110.0, **steady)  # the retry
+    assert pass_due(LastPass(at=100.0, refused=True), 110.0, **steady)  # the retry
     assert pass_due(recent, 110.0, **{**steady, "warming": True})  # warm Jobs follow the nodes
     assert pass_due(recent, 110.0, **{**steady, "lapsed": True})  # an event never came
     # Never while a pass runs: its end is recorded and the next tick decides.
-    assert not pass_due(_LastPass(at=100.0, refused=True), 110.0, **{**steady, "running": True})
+    assert not pass_due(LastPass(at=100.0, refused=True), 110.0, **{**steady, "running": True})
 
 
 def test_engines_serving_the_old_spec_count_as_ready_and_keep_the_deployment_available() -> None:

@@ -71,7 +71,7 @@ def test_workers_process_each_key_alone_and_stop_on_shutdown() -> None:
 
 
 def test_only_pod_events_that_change_what_a_pass_reads_queue_one() -> None:
-    from dlo_operator.handlers import event_needs_pass
+    from dlo_operator.controller import event_needs_pass
     from dlo_operator.reconcile import ObservedPod
 
     def pod(phase: str = "Pending", ready: bool = False) -> ObservedPod:
@@ -89,7 +89,7 @@ def test_only_pod_events_that_change_what_a_pass_reads_queue_one() -> None:
 
 
 def test_only_child_events_that_change_its_configuration_queue_a_pass() -> None:
-    from dlo_operator.handlers import event_needs_pass
+    from dlo_operator.controller import event_needs_pass
     from dlo_operator.reconcile import ObservedChild
 
     budget = ObservedChild("PodDisruptionBudget", "d-e0", "hash")
