@@ -22,7 +22,8 @@ from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.host_weight_plan import HostWeightPlanError
 from dlo_worker.observability import metrics
-from dlo_worker.offload import DiscoveryError, DistributedLayerwiseOffloadBackend, OffloadConfig
+from dlo_worker.offload import DiscoveryError, OffloadConfig
+from dlo_worker.offload.setup import StreamSetup
 from dlo_worker.process.worker import Worker
 from tests.support import checkpoints
 from tests.support.checkpoints import (
@@ -180,7 +181,7 @@ def test_failing_to_consume_a_plan_is_a_hard_error(
     def fail(*_args: object) -> None:
         raise RuntimeError("injected: host fill failed")
 
-    monkeypatch.setattr(DistributedLayerwiseOffloadBackend, "_fill_host", fail)
+    monkeypatch.setattr(StreamSetup, "fill_host", fail)
     config = worker_config(variants["single"], dlo=True)
     with pytest.raises(HostWeightPlanError, match="DiT was not loaded ordinarily"):
         run_worker(config)
