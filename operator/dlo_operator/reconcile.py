@@ -16,6 +16,7 @@ condition is emitted only when that condition changes.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -49,7 +50,8 @@ from dlo_operator.render import (
     render_engine_pods,
     selector,
     spec_hash,
-    warm_template_hash,
+    template_hash,
+    warm_template,
 )
 from dlo_operator.warming import (
     ObservedJob,
@@ -60,6 +62,7 @@ from dlo_operator.warming import (
     warming_enabled,
 )
 from dlo_operator.workerconfig import InvalidSpecError, validate
+from dlo_worker.config import WorkerConfig
 
 
 class EnginePhase(StrEnum):
@@ -276,6 +279,8 @@ class _Pass:
 
     owner: Owner
     spec: DiffusionDeploymentSpec
+    config: WorkerConfig
+    """The worker configuration the spec validated into, rendered into every command."""
     generation: int
     pods: list[ObservedPod]
     previous: DiffusionDeploymentStatus
@@ -290,12 +295,17 @@ class _Pass:
     next_restart: dict[int, datetime.datetime] = field(default_factory=dict)
     problems: dict[int, PodProblem] = field(default_factory=dict)
 
-    @property
+    @functools.cached_property
+    def warm_template(self) -> dict[str, Any]:
+        """The warm Jobs' Pod template, rendered once per pass."""
+        return warm_template(self.spec, self.config)
+
+    @functools.cached_property
     def cache(self) -> CacheStatus | None:
         """Per-node warming of the current identity (None without the runtime cache)."""
         if not warming_enabled(self.spec):
             return None
-        return cache_status(self.spec, self.nodes, self.jobs, warm_template_hash(self.spec))
+        return cache_status(self.spec, self.nodes, self.jobs, template_hash(self.warm_template))
 
     @property
     def prior_conditions(self) -> dict[str, Condition]:
@@ -340,14 +350,22 @@ def reconcile(
     ``nodes`` and ``jobs`` (the warm Jobs) matter only with the runtime cache enabled;
     ``now`` (UTC) times restart backoffs.
     """
-    state = _Pass(owner, spec, generation, list(pods), previous, nodes=list(nodes), jobs=list(jobs))
+    try:
+        config = validate(spec)
+    except InvalidSpecError as error:
+        return _invalid_actions(owner, generation, previous, str(error))
+    state = _Pass(
+        owner,
+        spec,
+        config,
+        generation,
+        list(pods),
+        previous,
+        nodes=list(nodes),
+        jobs=list(jobs),
+    )
     if now is not None:
         state.now = now
-    try:
-        validate(spec)
-    except InvalidSpecError as error:
-        _report_invalid(state, str(error))
-        return state.actions
     _judge_engines(state)
     _scale_down(state)
     _restart_failed_engines(state)
@@ -383,14 +401,15 @@ def invalid_spec_conditions(
     return [invalid, available], events
 
 
-def _report_invalid(state: _Pass, message: str) -> None:
-    conditions, events = invalid_spec_conditions(state.previous, state.generation, message)
-    state.actions.events += events
-    state.actions.status = DiffusionDeploymentStatus(
-        selector=selector(state.owner),
-        observed_generation=state.generation,
-        conditions=conditions,
+def _invalid_actions(
+    owner: Owner, generation: int, previous: DiffusionDeploymentStatus, message: str
+) -> Actions:
+    """Nothing to create or delete: only the conditions and Events of an invalid spec."""
+    conditions, events = invalid_spec_conditions(previous, generation, message)
+    status = DiffusionDeploymentStatus(
+        selector=selector(owner), observed_generation=generation, conditions=conditions
     )
+    return Actions(events=events, status=status)
 
 
 def _judge_engines(state: _Pass) -> None:
@@ -484,7 +503,9 @@ def _create_missing_pods(state: _Pass) -> None:
         warm = warm_nodes(state.cache)
         missing = [
             pod
-            for pod in render_engine_pods(state.owner, state.spec, engine, warm)
+            for pod in render_engine_pods(
+                state.owner, state.spec, engine, warm, config=state.config
+            )
             if pod["metadata"]["name"] not in present
         ]
         if not missing:
@@ -512,8 +533,12 @@ def _roll_one_engine(state: _Pass) -> None:
 def _sync_children(state: _Pass, observed: list[ObservedChild]) -> None:
     """Create or patch every rendered child whose hash differs; delete the unrendered."""
     eligible = [node.name for node in eligible_nodes(state.spec, state.nodes)]
+    warming = warming_enabled(state.spec)
     desired = render_children(
-        state.owner, state.spec, eligible if warming_enabled(state.spec) else ()
+        state.owner,
+        state.spec,
+        eligible if warming else (),
+        warm_job_template=state.warm_template if warming else None,
     )
     current = {(child.kind, child.name): child.config_hash for child in observed}
     wanted = set()

@@ -17,6 +17,7 @@ ServiceAccount token (workers never call the Kubernetes API).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ from dlo_operator.workerconfig import (
     memory_floor_bytes,
     worker_config,
 )
-from dlo_worker.config import to_flags
+from dlo_worker.config import WorkerConfig, to_flags
 from dlo_worker.observability.logs import LOG_LEVEL_ENV
 
 LABEL_DEPLOYMENT = f"{GROUP}/deployment"
@@ -144,8 +145,11 @@ def _gib_quantity(value: Decimal) -> str:
     return f"{int((value / 2**30).to_integral_value(ROUND_CEILING))}Gi"
 
 
-def worker_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
-    """``serve`` and its flags, generated from the worker's own configuration model."""
+def worker_arguments(
+    spec: DiffusionDeploymentSpec, config: WorkerConfig | None = None
+) -> list[str]:
+    """``serve`` and its flags, generated from the worker's own configuration model
+    (``config``: the one ``spec`` validated into, when the caller has it already)."""
     serve = spec.serve
     defaults = {
         "--default-steps": serve.default_steps,
@@ -154,7 +158,7 @@ def worker_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
     }
     return [
         "serve",
-        *to_flags(worker_config(spec)),
+        *to_flags(config if config is not None else worker_config(spec)),
         "--port",
         str(spec.port),
         "--max-queued-requests",
@@ -168,7 +172,7 @@ def worker_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
     ]
 
 
-def _command(spec: DiffusionDeploymentSpec) -> list[str]:
+def _command(spec: DiffusionDeploymentSpec, config: WorkerConfig) -> list[str]:
     """torchrun through ``dlo-worker launch``, which exits 0 once every rank drained after
     SIGTERM (torchrun alone exits 1 then, and every stop would end the Pod in Error)."""
     return [
@@ -182,7 +186,7 @@ def _command(spec: DiffusionDeploymentSpec) -> list[str]:
         "--master-port=$(MASTER_PORT)",
         "-m",
         "dlo_worker",
-        *worker_arguments(spec),
+        *worker_arguments(spec, config),
     ]
 
 
@@ -462,8 +466,11 @@ def render_pod(
     engine: int,
     node: int,
     warm: Sequence[str] = (),
+    *,
+    config: WorkerConfig | None = None,
 ) -> dict[str, Any]:
-    """One engine Pod; ``warm`` names nodes whose runtime cache holds the entry (preferred)."""
+    """One engine Pod; ``warm`` names nodes whose runtime cache holds the entry (preferred);
+    ``config`` is the worker configuration ``spec`` validated into, if already known."""
     labels = {
         **spec.pod_metadata.labels,
         **_engine_labels(owner, engine),
@@ -480,7 +487,7 @@ def render_pod(
         "name": CONTAINER,
         "image": spec.worker.image,
         "imagePullPolicy": spec.worker.image_pull_policy.value,
-        "command": _command(spec),
+        "command": _command(spec, config if config is not None else worker_config(spec)),
         "env": _env(owner, spec, engine, node),
         "ports": [
             {"name": "http", "containerPort": spec.port},
@@ -615,12 +622,24 @@ def render_client_service(owner: Owner, spec: DiffusionDeploymentSpec) -> dict[s
 
 
 def render_engine_pods(
-    owner: Owner, spec: DiffusionDeploymentSpec, engine: int, warm: Sequence[str] = ()
+    owner: Owner,
+    spec: DiffusionDeploymentSpec,
+    engine: int,
+    warm: Sequence[str] = (),
+    *,
+    config: WorkerConfig | None = None,
 ) -> list[dict]:
-    return [render_pod(owner, spec, engine, node, warm) for node in range(pods_per_engine(spec))]
+    """Every Pod of one engine, from one worker configuration."""
+    config = config if config is not None else worker_config(spec)
+    return [
+        render_pod(owner, spec, engine, node, warm, config=config)
+        for node in range(pods_per_engine(spec))
+    ]
 
 
-def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
+def warm_template(
+    spec: DiffusionDeploymentSpec, config: WorkerConfig | None = None
+) -> dict[str, Any]:
     """The Pod template of every warm Job (:mod:`dlo_operator.warming`), before its node:
     ``dlo-worker cache warm`` with the engines' flags, image, volumes and hardening,
     without GPUs. Its Pod does not carry the deployment label: it is not an engine Pod."""
@@ -648,7 +667,7 @@ def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
                 "name": "warm",
                 "image": spec.worker.image,
                 "imagePullPolicy": spec.worker.image_pull_policy.value,
-                "command": ["dlo-worker", *warm_arguments(spec)],
+                "command": ["dlo-worker", *warm_arguments(spec, config)],
                 "env": [
                     {"name": "HOME", "value": WORKER_HOME},
                     {"name": "USER", "value": WORKER_USER},
@@ -668,15 +687,28 @@ def warm_template(spec: DiffusionDeploymentSpec) -> dict[str, Any]:
     return template
 
 
-def warm_template_hash(spec: DiffusionDeploymentSpec) -> str:
-    rendered = json.dumps(warm_template(spec), sort_keys=True)
+def template_hash(template: dict[str, Any]) -> str:
+    """The identity of a warm template: a Job of another template is replaced."""
+    rendered = json.dumps(template, sort_keys=True)
     return hashlib.sha256(rendered.encode()).hexdigest()[:10]
 
 
-def render_warm_job(owner: Owner, spec: DiffusionDeploymentSpec, node: str) -> dict[str, Any]:
-    """One node's warm Job: the warm template pinned to ``node``."""
-    digest = warm_template_hash(spec)
-    template = warm_template(spec)
+def warm_template_hash(spec: DiffusionDeploymentSpec) -> str:
+    return template_hash(warm_template(spec))
+
+
+def render_warm_job(
+    owner: Owner,
+    spec: DiffusionDeploymentSpec,
+    node: str,
+    *,
+    template: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One node's warm Job: the warm template (rendered once by the caller, or here)
+    pinned to ``node``."""
+    shared = template if template is not None else warm_template(spec)
+    digest = template_hash(shared)
+    template = copy.deepcopy(shared)
     template["spec"]["nodeName"] = node
     template.setdefault("metadata", {}).setdefault("labels", {})[LABEL_WARM_HASH] = digest
     labels = {LABEL_DEPLOYMENT: owner.name, LABEL_WARM_HASH: digest}
@@ -695,7 +727,11 @@ def render_warm_job(owner: Owner, spec: DiffusionDeploymentSpec, node: str) -> d
 
 
 def render_children(
-    owner: Owner, spec: DiffusionDeploymentSpec, warm_on: Sequence[str] = ()
+    owner: Owner,
+    spec: DiffusionDeploymentSpec,
+    warm_on: Sequence[str] = (),
+    *,
+    warm_job_template: dict[str, Any] | None = None,
 ) -> list[dict]:
     """Every object besides Pods, each annotated with the hash of its rendering.
 
@@ -709,6 +745,7 @@ def render_children(
         items.append(render_engine_service(owner, engine))
         if spec.network_policy.enabled:
             items.append(render_network_policy(owner, spec, engine))
-    if warming_enabled(spec):
-        items += [render_warm_job(owner, spec, node) for node in warm_on]
+    if warming_enabled(spec) and warm_on:
+        template = warm_job_template if warm_job_template is not None else warm_template(spec)
+        items += [render_warm_job(owner, spec, node, template=template) for node in warm_on]
     return [_with_config_hash(item) for item in items]

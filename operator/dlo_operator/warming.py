@@ -27,7 +27,7 @@ from dlo_operator.api import (
     DiffusionDeploymentSpec,
 )
 from dlo_operator.workerconfig import worker_config
-from dlo_worker.config import to_flags
+from dlo_worker.config import WorkerConfig, to_flags
 
 LABEL_WARM_HASH = f"{GROUP}/cache-warm"
 ANNOTATION_NODE = f"{GROUP}/node"
@@ -98,9 +98,9 @@ def warming_enabled(spec: DiffusionDeploymentSpec) -> bool:
     return spec.offload.enabled and spec.offload.runtime_cache.enabled
 
 
-def warm_arguments(spec: DiffusionDeploymentSpec) -> list[str]:
+def warm_arguments(spec: DiffusionDeploymentSpec, config: WorkerConfig | None = None) -> list[str]:
     """``dlo-worker`` arguments of a warm Job: ``cache warm`` with the engines' flags."""
-    return ["cache", "warm", *to_flags(worker_config(spec))]
+    return ["cache", "warm", *to_flags(config if config is not None else worker_config(spec))]
 
 
 def eligible_nodes(spec: DiffusionDeploymentSpec, nodes: list[ObservedNode]) -> list[ObservedNode]:

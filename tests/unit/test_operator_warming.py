@@ -139,3 +139,34 @@ def test_a_new_warm_template_replaces_the_jobs() -> None:
     first = {job["metadata"]["name"] for job in [render_warm_job(OWNER, old, "gpu-a")]}
     second = {job["metadata"]["name"] for job in [render_warm_job(OWNER, new, "gpu-a")]}
     assert first.isdisjoint(second)
+
+
+def test_a_pass_builds_the_worker_configuration_once_and_renders_from_it(monkeypatch) -> None:
+    """Validation resolves the spec into the worker configuration; every engine Pod's
+    command and every warm Job's are rendered from that one result, and the warm template
+    is rendered once for all nodes."""
+    from dlo_operator import reconcile as reconcile_module
+    from dlo_operator import render, workerconfig
+
+    built: list[object] = []
+    real = workerconfig.build_config
+    monkeypatch.setattr(
+        workerconfig, "build_config", lambda values: built.append(values) or real(values)
+    )
+    rendered: list[object] = []
+    real_template = render.warm_template
+
+    def counted_template(*args: object, **kwargs: object) -> dict:
+        rendered.append(args)
+        return real_template(*args, **kwargs)
+
+    for module in (render, reconcile_module):
+        monkeypatch.setattr(module, "warm_template", counted_template)
+    desired = spec(replicas=2, parallelism={"data": 2}, gpusPerNode=1)
+    actions = reconcile(OWNER, desired, 1, [], DiffusionDeploymentStatus(), nodes=NODES)
+    assert len(actions.create_pods) == 4
+    assert len([item for item in actions.apply_children if item["kind"] == "Job"]) == 2
+    assert len(built) == 1
+    assert len(rendered) == 1
+    commands = {tuple(pod["spec"]["containers"][0]["command"]) for pod in actions.create_pods}
+    assert len(commands) == 1
