@@ -9,9 +9,12 @@ replaced by the CRD fields that set them (:func:`in_crd_terms`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal
 
 from kubernetes.utils import parse_quantity
+from pydantic import BaseModel
 
 from dlo_operator.api import Accelerator, DiffusionDeploymentSpec
 from dlo_worker.config import (
@@ -31,31 +34,94 @@ RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
 
 GIB = Decimal(2**30)
 
-CRD_FIELDS = {
-    "model": "model",
-    "dtype": "dtype",
-    "device": "accelerator",
-    "quantization": "quantization",
-    "data_parallel_size": "parallelism.data",
-    "sequence_parallel_size": "parallelism.sequence",
-    "tensor_parallel_size": "parallelism.tensor",
-    "use_hsdp": "parallelism.hsdp.enabled",
-    "hsdp_shard_size": "parallelism.hsdp.shardSize",
-    "hsdp_replicate_size": "parallelism.hsdp.replicateSize",
-    "enable_distributed_layerwise_offload": "offload.enabled",
-    "dlo_use_allgather": "offload.useAllGather",
-    "dlo_resident_layers": "offload.residentLayers",
-    "dlo_gpu_memory_budget_gib": "offload.gpuMemoryBudgetGiB",
-    "dlo_allgather_shard_buffers": "offload.allGatherShardBuffers",
-    "dlo_block_paths": "offload.blockPaths",
-    "dlo_enable_runtime_cache": "offload.runtimeCache.enabled",
-    "dlo_runtime_cache_pin_limit_gib": "offload.runtimeCache.pinLimitGiB",
-    "dlo_runtime_cache_root": "offload.runtimeCache.hostPath",
-    "dlo_runtime_cache_lock_timeout": "offload.runtimeCache.lockTimeoutSeconds",
-    "dlo_runtime_cache_size_budget_gib": "offload.runtimeCache.sizeBudgetGiB",
-    "dlo_runtime_cache_skip_load": "offload.runtimeCache.skipLoad",
+
+@dataclass(frozen=True)
+class CrdField:
+    """Where a worker option comes from in a DiffusionDeployment."""
+
+    path: str
+    """The field as its author writes it (``offload.runtimeCache.pinLimitGiB``)."""
+    value: Callable[[DiffusionDeploymentSpec], object]
+    """The option's value for a spec."""
+    only_with_cache: bool = False
+    """Rendered only with the runtime cache enabled (the worker's default otherwise)."""
+
+
+def model_path(spec: DiffusionDeploymentSpec) -> str:
+    """The model directory as the worker sees it."""
+    return spec.model.image_path or spec.model.mount_path
+
+
+def _device(spec: DiffusionDeploymentSpec) -> str:
+    return "cuda" if spec.accelerator == Accelerator.NVIDIA_GPU else "cpu"
+
+
+def _block_paths(spec: DiffusionDeploymentSpec) -> tuple[str, ...] | None:
+    return tuple(spec.offload.block_paths) if spec.offload.block_paths else None
+
+
+CRD_FIELDS: dict[str, CrdField] = {
+    "model": CrdField("model", model_path),
+    "dtype": CrdField("dtype", lambda spec: spec.dtype),
+    "device": CrdField("accelerator", _device),
+    "quantization": CrdField("quantization", lambda spec: spec.quantization),
+    "data_parallel_size": CrdField("parallelism.data", lambda spec: spec.parallelism.data),
+    "sequence_parallel_size": CrdField(
+        "parallelism.sequence", lambda spec: spec.parallelism.sequence
+    ),
+    "tensor_parallel_size": CrdField("parallelism.tensor", lambda spec: spec.parallelism.tensor),
+    "use_hsdp": CrdField("parallelism.hsdp.enabled", lambda spec: spec.parallelism.hsdp.enabled),
+    "hsdp_shard_size": CrdField(
+        "parallelism.hsdp.shardSize", lambda spec: spec.parallelism.hsdp.shard_size
+    ),
+    "hsdp_replicate_size": CrdField(
+        "parallelism.hsdp.replicateSize", lambda spec: spec.parallelism.hsdp.replicate_size
+    ),
+    "enable_distributed_layerwise_offload": CrdField(
+        "offload.enabled", lambda spec: spec.offload.enabled
+    ),
+    "dlo_use_allgather": CrdField("offload.useAllGather", lambda spec: spec.offload.use_all_gather),
+    "dlo_resident_layers": CrdField(
+        "offload.residentLayers", lambda spec: spec.offload.resident_layers
+    ),
+    "dlo_gpu_memory_budget_gib": CrdField(
+        "offload.gpuMemoryBudgetGiB", lambda spec: spec.offload.gpu_memory_budget_gib
+    ),
+    "dlo_allgather_shard_buffers": CrdField(
+        "offload.allGatherShardBuffers", lambda spec: spec.offload.all_gather_shard_buffers
+    ),
+    "dlo_block_paths": CrdField("offload.blockPaths", _block_paths),
+    "dlo_enable_runtime_cache": CrdField(
+        "offload.runtimeCache.enabled", lambda spec: spec.offload.runtime_cache.enabled
+    ),
+    "dlo_runtime_cache_pin_limit_gib": CrdField(
+        "offload.runtimeCache.pinLimitGiB", lambda spec: spec.offload.runtime_cache.pin_limit_gib
+    ),
+    # The node's hostPath, mounted at the same place in every container.
+    "dlo_runtime_cache_root": CrdField(
+        "offload.runtimeCache.hostPath", lambda _spec: RUNTIME_CACHE_MOUNT_PATH, True
+    ),
+    "dlo_runtime_cache_lock_timeout": CrdField(
+        "offload.runtimeCache.lockTimeoutSeconds",
+        lambda spec: spec.offload.runtime_cache.lock_timeout_seconds,
+        True,
+    ),
+    "dlo_runtime_cache_size_budget_gib": CrdField(
+        "offload.runtimeCache.sizeBudgetGiB",
+        lambda spec: spec.offload.runtime_cache.size_budget_gib,
+        True,
+    ),
+    "dlo_runtime_cache_skip_load": CrdField(
+        "offload.runtimeCache.skipLoad", lambda spec: spec.offload.runtime_cache.skip_load, True
+    ),
 }
-"""The CRD field that sets each worker option the operator renders."""
+"""The one mapping from CRD fields to worker options: :func:`worker_config` is built from
+it, and :func:`in_crd_terms` translates the worker's messages with it."""
+_GROUPS: dict[str, type[BaseModel]] = {
+    "model": ModelOptions,
+    "parallel": ParallelOptions,
+    "offload": OffloadOptions,
+}
 _BOOLEAN_OPTIONS = {
     name
     for options in (ModelOptions, ParallelOptions, OffloadOptions)
@@ -64,10 +130,10 @@ _BOOLEAN_OPTIONS = {
 }
 _CRD_TERMS = {
     **{
-        flag_for(name): f"{path}: true" if name in _BOOLEAN_OPTIONS else path
-        for name, path in CRD_FIELDS.items()
+        flag_for(name): f"{field.path}: true" if name in _BOOLEAN_OPTIONS else field.path
+        for name, field in CRD_FIELDS.items()
     },
-    **{flag: f"{CRD_FIELDS[name]}: false" for name, flag in NEGATIVE_FLAGS.items()},
+    **{flag: f"{CRD_FIELDS[name].path}: false" for name, flag in NEGATIVE_FLAGS.items()},
 }
 
 
@@ -81,50 +147,17 @@ class InvalidSpecError(ValueError):
     """The spec passed the API server's schema but cannot run; the message says why."""
 
 
-def model_path(spec: DiffusionDeploymentSpec) -> str:
-    """The model directory as the worker sees it."""
-    return spec.model.image_path or spec.model.mount_path
-
-
 def worker_config(spec: DiffusionDeploymentSpec) -> WorkerConfig:
     """The worker configuration of every rank of an engine (raises InvalidSpecError)."""
-    parallelism, offload = spec.parallelism, spec.offload
-    cache = offload.runtime_cache
-    offload_values: dict[str, object] = {
-        "enable_distributed_layerwise_offload": offload.enabled,
-        "dlo_use_allgather": offload.use_all_gather,
-        "dlo_resident_layers": offload.resident_layers,
-        "dlo_gpu_memory_budget_gib": offload.gpu_memory_budget_gib,
-        "dlo_allgather_shard_buffers": offload.all_gather_shard_buffers,
-        "dlo_block_paths": tuple(offload.block_paths) if offload.block_paths else None,
-        "dlo_enable_runtime_cache": cache.enabled,
-        "dlo_runtime_cache_pin_limit_gib": cache.pin_limit_gib,
-    }
-    if cache.enabled:
-        offload_values["dlo_runtime_cache_root"] = RUNTIME_CACHE_MOUNT_PATH
-        offload_values["dlo_runtime_cache_lock_timeout"] = cache.lock_timeout_seconds
-        offload_values["dlo_runtime_cache_size_budget_gib"] = cache.size_budget_gib
-        offload_values["dlo_runtime_cache_skip_load"] = cache.skip_load
+    cache = spec.offload.runtime_cache.enabled
+    values: dict[str, dict[str, object]] = {group: {} for group in _GROUPS}
+    for name, field in CRD_FIELDS.items():
+        if field.only_with_cache and not cache:
+            continue
+        group = next(group for group, options in _GROUPS.items() if name in options.model_fields)
+        values[group][name] = field.value(spec)
     try:
-        config = build_config(
-            {
-                "model": {
-                    "model": model_path(spec),
-                    "dtype": spec.dtype,
-                    "device": "cuda" if spec.accelerator == Accelerator.NVIDIA_GPU else "cpu",
-                    "quantization": spec.quantization,
-                },
-                "parallel": {
-                    "data_parallel_size": parallelism.data,
-                    "sequence_parallel_size": parallelism.sequence,
-                    "tensor_parallel_size": parallelism.tensor,
-                    "use_hsdp": parallelism.hsdp.enabled,
-                    "hsdp_shard_size": parallelism.hsdp.shard_size,
-                    "hsdp_replicate_size": parallelism.hsdp.replicate_size,
-                },
-                "offload": offload_values,
-            }
-        )
+        config = build_config(values)
     except ConfigError as error:
         raise InvalidSpecError(in_crd_terms(str(error))) from None
     if errors := execution_errors(config):

@@ -178,3 +178,26 @@ def test_every_option_the_operator_renders_has_its_crd_field() -> None:
         if name in getattr(config, group).model_fields_set
     }
     assert rendered - set(CRD_FIELDS) == set()
+
+
+def test_every_crd_field_of_the_mapping_exists_in_the_crd() -> None:
+    """The one table the worker configuration is built from names real CRD fields, so a
+    refusal (written in CRD terms) points at a field the author can set."""
+    from dlo_operator.api import DiffusionDeploymentSpec
+    from dlo_operator.workerconfig import CRD_FIELDS
+
+    def resolves(model: type, path: list[str]) -> bool:
+        by_alias = {field.alias or name: field for name, field in model.model_fields.items()}
+        field = by_alias.get(path[0])
+        if field is None:
+            return False
+        if len(path) == 1:
+            return True
+        return resolves(field.annotation, path[1:])
+
+    missing = [
+        field.path
+        for field in CRD_FIELDS.values()
+        if not resolves(DiffusionDeploymentSpec, field.path.split("."))
+    ]
+    assert missing == []
