@@ -78,6 +78,9 @@ async def index_deployment(namespace: str, name: str, body: Any, **_: Any) -> di
 def register(controller: Controller, registry: kopf.OperatorRegistry) -> None:
     """Put every handler and index on ``registry``, each calling ``controller``."""
     present = {LABEL_DEPLOYMENT: kopf.PRESENT}
+    # A registry of one's own has none of kopf's fallback logins: log in with the
+    # kubernetes client's credentials (in-cluster, else the kubeconfig), as kopf would.
+    kopf.on.login(registry=registry)(kopf.login_via_client)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
