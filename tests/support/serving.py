@@ -50,7 +50,9 @@ class Server:
             try:
                 if requests.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):
+                # Not listening yet, or too busy loading the model to answer in time: a
+                # probe that times out is retried, as the kubelet's is.
                 pass
             time.sleep(0.5)
         pytest.fail("the server never became ready")
