@@ -6,7 +6,7 @@ sharded safetensors checkpoint, then run four ways, rank-local:
 
 - resident (all weights on the GPU), for the limit;
 - DLO, ordinary tensors: blocks in a private page-locked arena (the pinned path);
-- DLO, checkpoint mmap: the loader's plan; blocks stay in the page cache and are
+- DLO, checkpoint mmap: the loader's checkpoint mapping; blocks stay in the page cache and are
   packed by ``--pack-threads`` threads through two pinned staging buffers;
 - DLO, registered checkpoint mmap: the mapping registered read-only with the driver and
   copied directly (``--dlo-runtime-cache-pin-limit-gib``); registration is timed with
@@ -95,35 +95,35 @@ def checkpoint_backed(
     """The skeleton and backend the worker would build from this directory."""
     from diffusers import FluxTransformer2DModel
 
-    from dlo_worker.config import HostBacking, build_config
+    from dlo_worker.config import HostBacking, build_config, load_settings
     from dlo_worker.loader.diffusers_loader import prepare_dit
-    from dlo_worker.loader.host_weight_plan import HostWeightPlan
+    from dlo_worker.loader.mapped_checkpoint import MappedCheckpoint
     from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 
     config = build_config(
         {
-            "model": {"dtype": "bfloat16"},
+            "model": {"model": str(directory), "dtype": "bfloat16"},
             "parallel": {},
             "offload": {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False},
         }
     )
     prepared = prepare_dit(
-        config, directory, FluxTransformer2DModel, torch.bfloat16, component="model"
+        load_settings(config), directory, FluxTransformer2DModel, torch.bfloat16, component="model"
     )
-    if prepared.plan is None:
+    if prepared.bindings is None:
         raise SystemExit(f"preflight refused the checkpoint: {prepared.reason}")
-    plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, {"model": prepared.plan})
+    mapped = MappedCheckpoint(HostBacking.CHECKPOINT_MMAP, {"model": prepared.bindings})
     backend = DistributedLayerwiseOffloadBackend(
         OffloadConfig(
             use_allgather=False,
             pack_threads=pack_threads,
-            host_registration_budget_bytes=registration_bytes,
+            pin_limit_bytes=registration_bytes,
             staging_buffers=staging_buffers,
             staging_ring=staging_ring,
             staging_ring_chunk_bytes=ring_chunk_mib * 2**20,
         ),
         device,
-        plan,
+        mapped,
     )
     return prepared.module, backend
 
@@ -202,7 +202,7 @@ def cache_entry_runs(
         backend = DistributedLayerwiseOffloadBackend(
             OffloadConfig(
                 use_allgather=False,
-                host_registration_budget_bytes=2**40 if mode == "registered" else 0,
+                pin_limit_bytes=2**40 if mode == "registered" else 0,
                 staging_buffers=detail if mode == "staged" else 3,
             ),
             device,

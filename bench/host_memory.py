@@ -5,7 +5,7 @@ Each process is a real worker rank (torchrun, gloo, DP = N, rank-local DLO on th
 running one DiT forward so every block has streamed once; then, while all N are alive,
 each reads its own ``/proc/self/smaps_rollup`` and the smaps of the checkpoint mappings.
 
-- checkpoint-mmap: the loader's plan; blocks stay in the page cache, mapped by every
+- checkpoint-mmap: the loader's checkpoint mapping; blocks stay in the page cache, mapped by every
   process (shared), packed through two staging buffers per process;
 - ordinary: the same weights in a checkpoint that also holds one foreign tensor, which
   the loader must load ordinarily as a unit; every process packs a private copy;

@@ -131,7 +131,7 @@ def main() -> None:
         # Flux keeps no module in float32: the skeleton's dtypes are the entry's.
         skeleton = diffusers_skeleton(FluxTransformer2DModel, root / "config", torch.bfloat16)
         backend = DistributedLayerwiseOffloadBackend(
-            OffloadConfig(use_allgather=False, host_registration_budget_bytes=2**40),
+            OffloadConfig(use_allgather=False, pin_limit_bytes=2**40),
             device,
             entry,
         )

@@ -80,7 +80,7 @@ def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected:
         parallel={"data_parallel_size": world_size},
     )
     with Worker(config) as worker:
-        closed = worker.backend.host_weight_plan.closed
+        closed = worker.backend.host_weights.closed
         outputs = transformer_outputs(worker.pipeline.transformer)
         stats = worker.backend.stats()
     assert all(torch.equal(a, b) for a, b in zip(outputs, torch.load(expected), strict=True))

@@ -138,7 +138,7 @@ def test_a_failure_in_the_middle_unregisters_every_earlier_range(tmp_path: Path)
 ORDER = (
     "host ranges registered",
     "host ranges unregistered",
-    "host-weight plan closed",
+    "checkpoint mapping closed",
     "dlo disabled",
     "process groups destroyed",
 )

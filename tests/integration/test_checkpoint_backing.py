@@ -2,7 +2,7 @@
 
 The demo pipeline is rewritten as single-file, sharded (index + 4 shards) and fused-QKV
 (the adapter's layout) checkpoints. For each, the worker's real loading path
-(DiffusersPipelineLoader -> HostWeightPlan -> backend) must produce the resident
+(DiffusersPipelineLoader -> MappedCheckpoint -> backend) must produce the resident
 outputs bit for bit, rank-locally (mapped views + pinned staging) and with AllGather
 over two gloo processes (shards packed from the mapping, mapping then closed).
 """
@@ -17,10 +17,10 @@ import torch.multiprocessing as mp
 from prometheus_client import REGISTRY
 
 from dlo_worker.cli.main import main as worker_main
-from dlo_worker.config import HostBacking
+from dlo_worker.config import HostBacking, load_settings
 from dlo_worker.loader.checkpoint import CheckpointError
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
-from dlo_worker.loader.host_weight_plan import HostWeightPlanError
+from dlo_worker.loader.mapped_checkpoint import HostWeightsError
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DiscoveryError, OffloadConfig
 from dlo_worker.offload.setup import StreamSetup
@@ -88,8 +88,9 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_native_staging_ring_is_bitwise_equal(variant, variants, resident) -> None:
-    """The loader's plan streamed through the chunk ring (its CPU mode: memcpy for the copy
-    engine), with 4 KiB chunks so every block is many chunks and pieces straddle them."""
+    """The loader's checkpoint mapping streamed through the chunk ring (its CPU mode: memcpy
+    for the copy engine), with 4 KiB chunks so every block is many chunks and pieces
+    straddle them."""
     outputs, stats, smallest_block = run_staging_ring(variants[variant], CPU, torch.float32, 4096)
     assert_bitwise(outputs, resident)
     assert stats.staging == "ring"
@@ -113,37 +114,39 @@ def test_a_registration_budget_on_the_cpu_stages_and_says_why(variants, resident
 
 
 @pytest.mark.parametrize(("variant", "registrable"), [("single", True), ("fused", False)])
-def test_only_plans_without_adapters_are_registrable(variant, registrable, variants) -> None:
+def test_only_mappings_without_adapters_are_registrable(variant, registrable, variants) -> None:
     config = worker_config(variants[variant], dlo=True)
-    loader = DiffusersPipelineLoader(config, dtype=torch.float32, device=torch.device("cpu"))
-    loader.load()
-    plan = loader.take_host_weight_plan()
-    try:
-        assert plan.registrable is registrable
-    finally:
-        plan.close()
-
-
-def test_the_dit_is_never_materialized_and_the_plan_is_taken_once(variants) -> None:
     loader = DiffusersPipelineLoader(
-        worker_config(variants["sharded"], dlo=True),
+        load_settings(config), dtype=torch.float32, device=torch.device("cpu")
+    )
+    loader.load()
+    mapped = loader.take_host_weights()
+    try:
+        assert mapped.registrable is registrable
+    finally:
+        mapped.close()
+
+
+def test_the_dit_is_never_materialized_and_the_mapping_is_taken_once(variants) -> None:
+    loader = DiffusersPipelineLoader(
+        load_settings(worker_config(variants["sharded"], dlo=True)),
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
     pipeline = loader.load()
     assert all(parameter.is_meta for parameter in pipeline.transformer.parameters())
     assert not any(parameter.is_meta for parameter in pipeline.vae.parameters())
-    plan = loader.take_host_weight_plan()
-    assert plan is not None
-    assert loader.take_host_weight_plan() is None
-    assert len(plan.coverage.files) == 4
-    assert plan.coverage.nbytes == sum(
+    mapped = loader.take_host_weights()
+    assert mapped is not None
+    assert loader.take_host_weights() is None
+    assert len(mapped.coverage.files) == 4
+    assert mapped.coverage.nbytes == sum(
         parameter.numel() * parameter.element_size()
         for parameter in pipeline.transformer.state_dict(keep_vars=True).values()
     )
-    plan.close()
-    with pytest.raises(HostWeightPlanError, match="closed"):
-        plan.tensor("transformer", "proj_out_2.weight")
+    mapped.close()
+    with pytest.raises(HostWeightsError, match="closed"):
+        mapped.tensor("transformer", "proj_out_2.weight")
 
 
 def test_a_mixed_source_falls_back_as_a_unit_and_is_counted(variants, resident) -> None:
@@ -159,9 +162,11 @@ def test_a_mixed_source_falls_back_as_a_unit_and_is_counted(variants, resident) 
 
 def test_a_dtype_conversion_falls_back_to_ordinary_loading(variants) -> None:
     config = worker_config(variants["single"], dlo=True, model={"dtype": "bfloat16"})
-    loader = DiffusersPipelineLoader(config, dtype=torch.bfloat16, device=torch.device("cpu"))
+    loader = DiffusersPipelineLoader(
+        load_settings(config), dtype=torch.bfloat16, device=torch.device("cpu")
+    )
     pipeline = loader.load()
-    assert loader.take_host_weight_plan() is None
+    assert loader.take_host_weights() is None
     assert loader.decision.backing == HostBacking.ORDINARY
     assert "stores float32 but the runtime dtype is bfloat16" in loader.decision.reason
     assert pipeline.transformer.proj_out_2.weight.dtype == torch.bfloat16
@@ -170,20 +175,22 @@ def test_a_dtype_conversion_falls_back_to_ordinary_loading(variants) -> None:
 def test_block_paths_dlo_cannot_use_fail_before_any_weight_loads(variants) -> None:
     config = worker_config(variants["single"], dlo=True, dlo_block_paths=["no_such_blocks"])
     with pytest.raises(DiscoveryError, match="no_such_blocks"):
-        DiffusersPipelineLoader(config, dtype=torch.float32, device=torch.device("cpu")).load()
+        DiffusersPipelineLoader(
+            load_settings(config), dtype=torch.float32, device=torch.device("cpu")
+        ).load()
 
 
-def test_failing_to_consume_a_plan_is_a_hard_error(
+def test_failing_to_consume_a_mapping_is_a_hard_error(
     variants, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fault injection: the backend fails after the loader handed over a plan."""
+    """Fault injection: the backend fails after the loader handed over a mapping."""
 
     def fail(*_args: object) -> None:
         raise RuntimeError("injected: host fill failed")
 
     monkeypatch.setattr(StreamSetup, "fill_host", fail)
     config = worker_config(variants["single"], dlo=True)
-    with pytest.raises(HostWeightPlanError, match="DiT was not loaded ordinarily"):
+    with pytest.raises(HostWeightsError, match="DiT was not loaded ordinarily"):
         run_worker(config)
 
 
@@ -205,11 +212,11 @@ def _allgather_rank(rank: int, world_size: int, port: int, model: str, expected:
         Path(model), dlo=True, allgather=True, parallel={"data_parallel_size": world_size}
     )
     with Worker(config) as worker:
-        plan_closed = worker.backend.host_weight_plan.closed
+        mapping_closed = worker.backend.host_weights.closed
         outputs = transformer_outputs(worker.pipeline.transformer)
         stats = worker.backend.stats()
     assert_bitwise(outputs, torch.load(expected))
-    assert plan_closed  # every rank prepared its shard, then released the mapping
+    assert mapping_closed  # every rank prepared its shard, then released the mapping
     assert stats.host_backing == "checkpoint-mmap"
     assert stats.transfer_mode == "allgather"
     assert stats.shards == world_size
@@ -277,7 +284,7 @@ def _sharing_rank(rank: int, world_size: int, port: int, model: str, out: str) -
     torch.set_num_threads(1)
     config = worker_config(Path(model), dlo=True, parallel={"data_parallel_size": world_size})
     with Worker(config) as worker:
-        files = worker.backend.host_weight_plan.coverage.files
+        files = worker.backend.host_weights.coverage.files
         transformer_outputs(worker.pipeline.transformer)
         dist.barrier()  # every process has streamed every block
         usage = mapped_file_memory(files)

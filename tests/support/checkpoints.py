@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from dlo_worker.config import WorkerConfig, build_config
+from dlo_worker.config import WorkerConfig, build_config, load_settings
 from dlo_worker.loader.checkpoint import INDEX_NAME, WEIGHTS_NAME
 from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, OffloadStats
@@ -150,10 +150,10 @@ def run_worker(config: WorkerConfig) -> tuple[list[torch.Tensor], Worker]:
 def run_staging_ring(
     path: Path, device: torch.device, dtype: torch.dtype, chunk_bytes: int
 ) -> tuple[list[torch.Tensor], OffloadStats, int]:
-    """The transformer's outputs with the loader's checkpoint plan streamed through the
+    """The transformer's outputs with the loader's checkpoint mapping streamed through the
     native staging ring; the backend's stats, and its smallest block's bytes."""
     config = worker_config(path, dlo=True, device=str(device))
-    loader = DiffusersPipelineLoader(config, dtype=dtype, device=device)
+    loader = DiffusersPipelineLoader(load_settings(config), dtype=dtype, device=device)
     pipeline = loader.load()
     backend = DistributedLayerwiseOffloadBackend(
         OffloadConfig(
@@ -163,7 +163,7 @@ def run_staging_ring(
             pack_threads=3,
         ),
         device,
-        loader.take_host_weight_plan(),
+        loader.take_host_weights(),
     )
     backend.enable(pipeline)
     try:

@@ -10,7 +10,7 @@ from dlo_worker.engine.waves import (
     QueueFullError,
     RequestQueue,
     Wave,
-    plan_wave,
+    choose_wave,
 )
 
 
@@ -20,7 +20,7 @@ def request(seed: int, steps: int = 4, guidance: float = 4.0) -> GenerationReque
 
 def test_lockstep_wave_takes_only_requests_with_the_heads_step_count() -> None:
     pending = [request(0), request(1, steps=8), request(2), request(3)]
-    chosen, wave = plan_wave(pending, width=2, lockstep=True)
+    chosen, wave = choose_wave(pending, width=2, lockstep=True)
     assert chosen == [0, 2]
     assert [lane.seed for lane in wave.lanes] == [0, 2]
     assert wave.discarded == frozenset()
@@ -28,7 +28,7 @@ def test_lockstep_wave_takes_only_requests_with_the_heads_step_count() -> None:
 
 def test_lockstep_wave_fills_idle_ranks_with_a_discarded_copy_of_the_head() -> None:
     pending = [request(0), request(1, steps=8)]
-    chosen, wave = plan_wave(pending, width=4, lockstep=True)
+    chosen, wave = choose_wave(pending, width=4, lockstep=True)
     assert chosen == [0]
     assert wave.lanes == (pending[0],) * 4
     assert wave.discarded == frozenset({1, 2, 3})
@@ -36,7 +36,7 @@ def test_lockstep_wave_fills_idle_ranks_with_a_discarded_copy_of_the_head() -> N
 
 
 def test_lockstep_wave_separates_guidance_scales() -> None:
-    chosen, _ = plan_wave([request(0), request(1, guidance=1.0)], width=2, lockstep=True)
+    chosen, _ = choose_wave([request(0), request(1, guidance=1.0)], width=2, lockstep=True)
     assert chosen == [0]
 
 
@@ -51,23 +51,23 @@ def test_lockstep_wave_mixes_sizes_and_image_counts_but_not_extra_guidance_passe
         GenerationRequest(seed=2, steps=4, negative_prompt="c", true_cfg_scale=3.0),
         GenerationRequest(seed=3, steps=4, prompt="d"),
     ]
-    chosen, wave = plan_wave(pending, width=3, lockstep=True)
+    chosen, wave = choose_wave(pending, width=3, lockstep=True)
     assert chosen == [0, 1, 3]
     assert [lane.seed for lane in wave.lanes] == [0, 1, 3]
-    chosen, _ = plan_wave(pending[2:], width=2, lockstep=True)
+    chosen, _ = choose_wave(pending[2:], width=2, lockstep=True)
     assert chosen == [0]
 
 
 def test_independent_wave_mixes_keys_and_leaves_idle_ranks_idle() -> None:
     pending = [request(0), request(1, steps=8)]
-    chosen, wave = plan_wave(pending, width=3, lockstep=False)
+    chosen, wave = choose_wave(pending, width=3, lockstep=False)
     assert chosen == [0, 1]
     assert wave.lanes == (pending[0], pending[1], None)
     assert wave.discarded == frozenset()
 
 
 def test_no_pending_requests_make_an_empty_heartbeat_wave() -> None:
-    chosen, wave = plan_wave([], width=2, lockstep=True)
+    chosen, wave = choose_wave([], width=2, lockstep=True)
     assert chosen == []
     assert wave.empty
     assert not wave.stop

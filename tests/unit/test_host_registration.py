@@ -65,7 +65,7 @@ def test_adjacent_mappings_are_never_merged_and_ranges_stay_inside_their_mapping
 
 @pytest.fixture
 def mapped_views(tmp_path: Path) -> list[torch.Tensor]:
-    """Views of two safetensors files mapped from disk, as a checkpoint plan hands out."""
+    """Views of two safetensors files mapped from disk, as a checkpoint mapping hands out."""
     views = []
     for index in range(2):
         path = tmp_path / f"shard-{index}.safetensors"

@@ -28,10 +28,12 @@ def runtime(**specs: tuple[int, ...]) -> dict[str, TensorSpec]:
     return {key.replace("__", "."): TensorSpec(shape, F32) for key, shape in specs.items()}
 
 
-def dlo_config():
-    return build_config(
+def dlo_backings():
+    """The host backings of a default DLO configuration, most preferred first."""
+    config = build_config(
         {"model": {}, "parallel": {}, "offload": {"enable_distributed_layerwise_offload": True}}
     )
+    return config.effective().host_backing_candidates
 
 
 ATTENTION = runtime(
@@ -50,7 +52,7 @@ def test_matching_names_bind_directly_and_pass() -> None:
     assert set(resolution.bindings) == {"norm.weight", "proj.weight"}
     assert resolution.bindings["proj.weight"].source.rows is None
     assert resolution.adapters == ()
-    assert rejection(dlo_config(), resolution) is None
+    assert rejection(dlo_backings(), resolution) is None
 
 
 def test_fused_qkv_splits_rows_in_q_k_v_order_with_grouped_kv() -> None:
@@ -67,7 +69,7 @@ def test_fused_qkv_splits_rows_in_q_k_v_order_with_grouped_kv() -> None:
     }
     assert resolution.adapters == ("fused-qkv",)
     assert resolution.unused == []
-    assert rejection(dlo_config(), resolution) is None
+    assert rejection(dlo_backings(), resolution) is None
 
 
 def test_fused_qkv_with_the_wrong_row_count_does_not_apply() -> None:
@@ -80,20 +82,20 @@ def test_a_tensor_with_two_sources_is_ambiguous() -> None:
     found = checkpoint(attn__to_q__weight=((8, 8), F32), attn__to_qkv__weight=((16, 8), F32))
     resolution = resolve_sources(weights, found)
     assert resolution.ambiguous == ["attn.to_q.weight"]
-    refused = rejection(dlo_config(), resolution)
+    refused = rejection(dlo_backings(), resolution)
     assert refused.code == "ambiguous"
 
 
 def test_missing_sources_reject_with_the_first_name() -> None:
     resolution = resolve_sources(runtime(a=(2,), b=(2,)), checkpoint(a=((2,), F32)))
-    refused = rejection(dlo_config(), resolution)
+    refused = rejection(dlo_backings(), resolution)
     assert refused.code == "missing"
     assert "1 (first: 'b')" in refused.message
 
 
 def test_a_source_with_foreign_tensors_falls_back_as_a_unit() -> None:
     found = checkpoint(a=((2,), F32), text_encoder__weight=((2,), F32))
-    refused = rejection(dlo_config(), resolve_sources(runtime(a=(2,)), found))
+    refused = rejection(dlo_backings(), resolve_sources(runtime(a=(2,)), found))
     assert refused.code == "mixed"
     assert "text_encoder.weight" in refused.message
     assert "as a unit" in refused.message
@@ -101,7 +103,7 @@ def test_a_source_with_foreign_tensors_falls_back_as_a_unit() -> None:
 
 def test_a_dtype_conversion_is_left_to_the_ordinary_loader() -> None:
     found = checkpoint(a=((2,), torch.bfloat16))
-    refused = rejection(dlo_config(), resolve_sources(runtime(a=(2,)), found))
+    refused = rejection(dlo_backings(), resolve_sources(runtime(a=(2,)), found))
     assert refused.code == "dtype"
     assert "stores bfloat16 but the runtime dtype is float32" in refused.message
 
@@ -127,6 +129,6 @@ def test_topology_and_quantization_keep_the_ordinary_path(sections: dict, named:
     for section, fields in sections.items():
         values[section] = {**values[section], **fields}
     resolution = resolve_sources(runtime(a=(2,)), checkpoint(a=((2,), F32)))
-    refused = rejection(build_config(values), resolution)
+    refused = rejection(build_config(values).effective().host_backing_candidates, resolution)
     assert refused.code == "topology"
     assert named in refused.message

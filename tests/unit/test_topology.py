@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dlo_worker.config import ParallelOptions, ShardingGroup, build_config
+import dataclasses
+
+from dlo_worker.config import OffloadOptions, ParallelOptions, ShardingGroup, build_config
+from dlo_worker.offload import OffloadConfig
 from dlo_worker.process.topology import group_ranks, rank_coordinates
-from dlo_worker.process.worker import offload_config_for
+from dlo_worker.process.worker import BACKEND_OPTIONS, offload_config_for
 
 
 def test_tp_is_innermost_then_sp_then_dp() -> None:
@@ -59,3 +62,28 @@ def test_offload_config_takes_the_group_the_worker_config_selects() -> None:
     assert local.process_group is None
     assert local.resident_layers == 2
     assert local.block_paths == ("blocks", "more_blocks")
+
+
+def test_every_backend_option_names_a_worker_option_and_a_backend_field() -> None:
+    backend_fields = {field.name for field in dataclasses.fields(OffloadConfig)}
+    for option in BACKEND_OPTIONS:
+        assert option.option in OffloadOptions.model_fields, option
+        assert option.field in backend_fields, option
+    assert len({option.field for option in BACKEND_OPTIONS}) == len(BACKEND_OPTIONS)
+
+
+def test_gib_options_reach_the_backend_as_bytes() -> None:
+    config = build_config(
+        {
+            "offload": {
+                "enable_distributed_layerwise_offload": True,
+                "dlo_use_allgather": False,
+                "dlo_gpu_memory_budget_gib": 1.5,
+                "dlo_runtime_cache_pin_limit_gib": 2,
+            }
+        }
+    )
+    backend = offload_config_for(config, {})
+    assert backend.gpu_memory_budget_bytes == 3 * 2**29
+    assert backend.pin_limit_bytes == 2 * 2**30
+    assert backend.use_allgather is False

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from dlo_worker.config import WorkerConfig
+from dlo_worker.config import WorkerConfig, load_settings
 from dlo_worker.process.devices import resolve_device, resolve_dtype
 
 
@@ -25,11 +25,11 @@ def warm_runtime_cache(config: WorkerConfig) -> dict:
         else torch.device(config.model.device)
     )
     dtype = resolve_dtype(config.model, target)
-    loader = DiffusersPipelineLoader(config, dtype=dtype, device=torch.device("cpu"))
+    loader = DiffusersPipelineLoader(load_settings(config), dtype=dtype, device=torch.device("cpu"))
     loader.load()
-    plan = loader.take_host_weight_plan()
-    if plan is not None:
-        plan.close()
+    host_weights = loader.take_host_weights()
+    if host_weights is not None:
+        host_weights.close()
     report = loader.cache_report
     if report is None:
         return {

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from dlo_worker.config.effective import (
     EffectiveConfig,
+    LoadSettings,
+    RuntimeCacheSettings,
     default_runtime_cache_root,
     dlo_sharding_group,
+    load_settings,
     resolve,
 )
 from dlo_worker.config.flags import (
@@ -55,11 +58,13 @@ __all__ = [
     "DType",
     "EffectiveConfig",
     "HostBacking",
+    "LoadSettings",
     "ModelOptions",
     "OffloadOptions",
     "OffloadPolicy",
     "ParallelOptions",
     "Quantization",
+    "RuntimeCacheSettings",
     "ShardingGroup",
     "SkipLoad",
     "TransferMode",
@@ -71,6 +76,7 @@ __all__ = [
     "dlo_sharding_group",
     "execution_errors",
     "flag_for",
+    "load_settings",
     "resolve",
     "to_flags",
 ]

@@ -4,6 +4,7 @@ environment variable that places the default cache root)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from dlo_worker.config.values import (
     Options,
     Quantization,
     ShardingGroup,
+    SkipLoad,
     TransferMode,
 )
 
@@ -104,6 +106,65 @@ def resolve(config: WorkerConfig) -> EffectiveConfig:
         host_backing_candidates=_host_backing_candidates(config),
         world_size=config.parallel.world_size,
         warnings=warnings,
+    )
+
+
+@dataclass(frozen=True)
+class RuntimeCacheSettings:
+    """Where the node-local runtime cache lives and how this process uses it."""
+
+    root: Path
+    lock_timeout_s: float
+    size_budget_bytes: int | None
+    """Upper bound of the node's entries (None: unbounded)."""
+    skip_load: SkipLoad
+    tensor_parallel_size: int
+    sequence_parallel_size: int
+
+
+@dataclass(frozen=True)
+class LoadSettings:
+    """What the loader acts on: the pipeline directory, whether its DiTs stream, and the
+    host backings it may choose from (the loader never sees the whole configuration)."""
+
+    model_dir: Path
+    offload_policy: OffloadPolicy
+    block_paths: tuple[str, ...] | None
+    host_backings: tuple[HostBacking, ...]
+    """Most preferred first (:attr:`EffectiveConfig.host_backing_candidates`)."""
+    runtime_cache: RuntimeCacheSettings | None
+    """Set when the runtime cache is among the host backings of streamed DiTs."""
+
+    @property
+    def streams_dit(self) -> bool:
+        return self.offload_policy == OffloadPolicy.DLO
+
+
+def load_settings(config: WorkerConfig) -> LoadSettings:
+    """The loader's part of a validated configuration that names a model (pure but for
+    the default cache root's environment variable)."""
+    if config.model.model is None:
+        raise ValueError("--model is required")
+    effective = config.effective()
+    offload, parallel = config.offload, config.parallel
+    backings = tuple(effective.host_backing_candidates)
+    runtime_cache = None
+    if effective.offload_policy == OffloadPolicy.DLO and HostBacking.RUNTIME_CACHE in backings:
+        budget_gib = offload.dlo_runtime_cache_size_budget_gib
+        runtime_cache = RuntimeCacheSettings(
+            root=offload.dlo_runtime_cache_root or default_runtime_cache_root(),
+            lock_timeout_s=offload.dlo_runtime_cache_lock_timeout,
+            size_budget_bytes=None if budget_gib is None else round(budget_gib * 2**30),
+            skip_load=offload.dlo_runtime_cache_skip_load,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            sequence_parallel_size=parallel.sequence_parallel_size,
+        )
+    return LoadSettings(
+        model_dir=config.model.model,
+        offload_policy=effective.offload_policy,
+        block_paths=offload.dlo_block_paths,
+        host_backings=backings,
+        runtime_cache=runtime_cache,
     )
 
 

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dlo_worker.config.effective import EffectiveConfig, resolve
 from dlo_worker.config.flags import describe_validation_error, flag_for
@@ -228,22 +228,31 @@ class OffloadOptions(Options):
 
 
 class WorkerConfig(Options):
-    """The whole worker configuration, validated against the DLO compatibility matrix."""
+    """The whole worker configuration, validated against the DLO compatibility matrix.
+
+    Built only by validation (:func:`build_config`, ``model_validate``): that is where the
+    rules run and where the effective configuration is resolved, once.
+    """
 
     model: ModelOptions = ModelOptions()
     parallel: ParallelOptions = ParallelOptions()
     offload: OffloadOptions = OffloadOptions()
+    _effective: EffectiveConfig | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _combinations_are_supported(self) -> WorkerConfig:
         problems = combination_errors(self)
         if problems:
             raise ValueError("; ".join(problems))
+        self._effective = resolve(self)
         return self
 
     def effective(self) -> EffectiveConfig:
-        """The decisions the rest of the worker acts on (pure; see :func:`resolve`)."""
-        return resolve(self)
+        """The decisions the rest of the worker acts on, resolved once at validation
+        (pure; see :func:`resolve`)."""
+        if self._effective is None:
+            raise RuntimeError("a WorkerConfig is built by validation (build_config)")
+        return self._effective
 
 
 class ConfigError(ValueError, UserFixableError):

@@ -80,7 +80,7 @@ class Wave:
         return all(lane is None for lane in self.lanes)
 
 
-def plan_wave(
+def choose_wave(
     pending: list[GenerationRequest], width: int, lockstep: bool
 ) -> tuple[list[int], Wave]:
     """Choose which pending requests (by index, oldest first) run in the next wave (pure).
@@ -173,7 +173,7 @@ class RequestQueue:
                 self._changed.wait(timeout)
             while True:
                 self._drop_cancelled_locked()
-                chosen, wave = plan_wave([s.request for s in self._pending], width, lockstep)
+                chosen, wave = choose_wave([s.request for s in self._pending], width, lockstep)
                 # Once running, a future can no longer be cancelled: the request runs.
                 if all(self._pending[index].mark_running() for index in chosen):
                     break

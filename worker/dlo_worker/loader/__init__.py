@@ -1,5 +1,5 @@
 """Loader-owned host storage: a diffusers-format directory becomes a pipeline plus, when
-preflight proves it, a HostWeightPlan for the DiT.
+preflight proves it, a MappedCheckpoint for the DiT.
 
 This package's top level stays torch-free (the CLI checks a directory before importing
 torch); the loader itself is :mod:`dlo_worker.loader.diffusers_loader`.

@@ -4,8 +4,8 @@ For each DiT component (``transformer``, ``transformer_2``) the loader runs the
 checkpoint mmap preflight *before* materializing it:
 
 - preflight passes: the DiT is built with empty (meta) parameters and bound to its
-  checkpoint files in a :class:`HostWeightPlan`; it is never materialized privately,
-  and the DLO backend consumes the plan;
+  checkpoint files in a :class:`MappedCheckpoint`; it is never materialized privately,
+  and the DLO backend consumes the mapping;
 - preflight fails but the checkpoint needs an adapter (e.g. fused QKV): the ordinary
   path loads it through the same adapter into private tensors;
 - otherwise diffusers loads it the ordinary way.
@@ -26,19 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dlo_worker.config import (
-    HostBacking,
-    OffloadPolicy,
-    SkipLoad,
-    WorkerConfig,
-    default_runtime_cache_root,
-)
+from dlo_worker.config import HostBacking, LoadSettings, SkipLoad
 from dlo_worker.errors import UserFixableError
 from dlo_worker.loader.adapters import TensorSpec
 from dlo_worker.loader.checkpoint import CheckpointError, read_checkpoint_index
 from dlo_worker.loader.components import diffusers_skeleton, inspect_pipeline
 from dlo_worker.loader.finite import check_finite, check_finite_parameters
-from dlo_worker.loader.host_weight_plan import CheckpointMappings, ComponentPlan, HostWeightPlan
+from dlo_worker.loader.mapped_checkpoint import (
+    CheckpointMappings,
+    ComponentBindings,
+    MappedCheckpoint,
+)
 from dlo_worker.loader.model_directory import (
     check_model_directory,
     dit_classes,
@@ -83,27 +81,26 @@ def runtime_tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
 
 
 class DiffusersPipelineLoader:
-    """Loads one pipeline directory once; hands its HostWeightPlan over exactly once."""
+    """Loads one pipeline directory once; hands its MappedCheckpoint over exactly once."""
 
-    def __init__(self, config: WorkerConfig, *, dtype: torch.dtype, device: torch.device) -> None:
-        if config.model.model is None:
-            raise ValueError("--model is required")
-        self.config = config
-        self.model_dir = Path(config.model.model)
+    def __init__(self, settings: LoadSettings, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.settings = settings
+        self.model_dir = settings.model_dir
         self.dtype = dtype
         self.device = device
-        self.policy = config.effective().offload_policy
-        self.streams_dit = self.policy == OffloadPolicy.DLO
+        self.policy = settings.offload_policy
+        self.streams_dit = settings.streams_dit
         self.decision: BackingDecision | None = None
         self.cache_report: CacheReport | None = None
         """What the runtime cache did, when this load used it."""
-        self._plan: HostWeightPlan | RuntimeCacheEntry | None = None
+        self._host_weights: MappedCheckpoint | RuntimeCacheEntry | None = None
         self._loaded = False
 
-    def take_host_weight_plan(self) -> HostWeightPlan | RuntimeCacheEntry | None:
-        """The plan, transferring ownership to the caller; every later call returns None."""
-        plan, self._plan = self._plan, None
-        return plan
+    def take_host_weights(self) -> MappedCheckpoint | RuntimeCacheEntry | None:
+        """The DiTs' host weights (a checkpoint mapping or a runtime-cache entry), transferring
+        ownership to the caller; None when the DiTs are ordinary tensors, and every later call."""
+        host_weights, self._host_weights = self._host_weights, None
+        return host_weights
 
     def load(
         self, check_pipeline: Callable[[DiffusionPipeline], None] | None = None
@@ -127,7 +124,7 @@ class DiffusersPipelineLoader:
             check_pipeline(inspection.meta_pipeline)
         started = time.perf_counter()
         classes = dit_classes(self.model_dir, DIT_COMPONENTS)
-        source = self._cache_source(classes) if self._uses_runtime_cache() else None
+        source = self._cache_source(classes) if self.settings.runtime_cache else None
         hit = self._skip_load(source)
         prepared = self._prepare_dits(classes, hit)
         pipeline = DiffusionPipeline.from_pretrained(
@@ -180,8 +177,8 @@ class DiffusersPipelineLoader:
             dit = self._prepare_dit(component, class_name)
             if dit.module is not None:
                 prepared.prebuilt[component] = dit.module
-            if dit.plan is not None:
-                prepared.planned[component] = dit.plan
+            if dit.bindings is not None:
+                prepared.mapped[component] = dit.bindings
                 prepared.bound.add(component)
             prepared.adapters[component] = dit.adapters
             prepared.reasons.append(f"{component}: {dit.reason}")
@@ -194,21 +191,23 @@ class DiffusersPipelineLoader:
         prepared: PreparedDiTs,
         source: CacheSource | None,
     ) -> HostBacking:
-        """Hand over the skip-load entry, the checkpoint plan, or the runtime cache built
+        """Hand over the skip-load entry, the checkpoint mapping, or the runtime cache built
         or joined from the loaded DiTs (recording their source for the next start)."""
         if hit is not None:
-            self._plan = hit.entry
+            self._host_weights = hit.entry
             return HostBacking.RUNTIME_CACHE
-        if prepared.planned:
-            plan = HostWeightPlan(HostBacking.CHECKPOINT_MMAP, prepared.planned)
+        if prepared.mapped:
+            mapped = MappedCheckpoint(HostBacking.CHECKPOINT_MMAP, prepared.mapped)
             try:
-                _check_mapped_finite(self.model_dir, plan, prepared)
+                _check_mapped_finite(self.model_dir, mapped, prepared)
             except BaseException:
-                plan.close()
+                mapped.close()
                 raise
-            self._plan = plan
+            self._host_weights = mapped
             return HostBacking.CHECKPOINT_MMAP
-        if not self._uses_runtime_cache():
+        if self.settings.runtime_cache is None:
+            # A checkpoint mapping, when preflight proved one, shares the checkpoint's own
+            # pages; without the runtime cache among the backings the DiTs stay ordinary.
             return HostBacking.ORDINARY
         dits = [
             (name, module)
@@ -221,7 +220,7 @@ class DiffusersPipelineLoader:
         prepared.reasons.append(report.describe())
         if entry is None:
             return HostBacking.ORDINARY
-        self._plan = entry
+        self._host_weights = entry
         if source is not None and report.key is not None:
             record_source(request, source.key, report.key)
         return HostBacking.RUNTIME_CACHE
@@ -253,8 +252,8 @@ class DiffusersPipelineLoader:
         key = source_key(
             components,
             dtype=str(self.dtype),
-            block_paths=self.config.offload.dlo_block_paths,
-            backings=self.config.effective().host_backing_candidates,
+            block_paths=self.settings.block_paths,
+            backings=list(self.settings.host_backings),
         )
         return CacheSource(key, skeletons, adapters)
 
@@ -262,38 +261,32 @@ class DiffusersPipelineLoader:
         """The verified entry recorded for ``source`` (skip-load), per the configured mode:
         None on a miss (a corrupt entry is quarantined and the ordinary load rebuilds it),
         refused when required."""
-        mode = self.config.offload.dlo_runtime_cache_skip_load
-        if source is None or mode == SkipLoad.OFF:
+        cache = self.settings.runtime_cache
+        if source is None or cache is None or cache.skip_load == SkipLoad.OFF:
             return None
         found = entry_for_source(self._cache_request(source.adapters), source.key, source.skeletons)
         if isinstance(found, SkipLoadHit):
             return found
-        if mode == SkipLoad.REQUIRED:
+        if cache.skip_load == SkipLoad.REQUIRED:
             raise RuntimeCacheMissError(
                 f"--dlo-runtime-cache-skip-load required: {found}; run `dlo-worker cache "
                 "warm` with the same flags first, or use preferred"
             )
         return None
 
-    def _uses_runtime_cache(self) -> bool:
-        """Rank-local DLO with the runtime cache among the host backings (a checkpoint plan,
-        when preflight proved one, shares the checkpoint's own pages instead)."""
-        effective = self.config.effective()
-        return self.streams_dit and HostBacking.RUNTIME_CACHE in effective.host_backing_candidates
-
     def _cache_request(self, adapters: dict[str, tuple[str, ...]]) -> CacheRequest:
-        offload, parallel = self.config.offload, self.config.parallel
+        cache = self.settings.runtime_cache
+        if cache is None:
+            raise RuntimeError("the runtime cache is not among this load's host backings")
         return CacheRequest(
-            root=offload.dlo_runtime_cache_root or default_runtime_cache_root(),
-            lock_timeout=offload.dlo_runtime_cache_lock_timeout,
-            size_budget_bytes=None
-            if offload.dlo_runtime_cache_size_budget_gib is None
-            else round(offload.dlo_runtime_cache_size_budget_gib * 2**30),
-            block_paths=offload.dlo_block_paths,
+            root=cache.root,
+            lock_timeout=cache.lock_timeout_s,
+            size_budget_bytes=cache.size_budget_bytes,
+            block_paths=self.settings.block_paths,
             adapters=adapters,
             # This release runs TP 1 only (execution_errors refuses more).
-            tensor_parallel=(parallel.tensor_parallel_size, 0),
-            sequence_parallel_size=parallel.sequence_parallel_size,
+            tensor_parallel=(cache.tensor_parallel_size, 0),
+            sequence_parallel_size=cache.sequence_parallel_size,
         )
 
     def _prepare_dit(self, component: str, class_name: str) -> PreparedDiT:
@@ -304,7 +297,7 @@ class DiffusersPipelineLoader:
             refused = Rejection("class", f"unknown diffusers class {class_name}")
             return PreparedDiT(None, None, _report_fallback(component, refused, self.streams_dit))
         return prepare_dit(
-            self.config,
+            self.settings,
             self.model_dir / component,
             model_class,
             self.dtype,
@@ -321,9 +314,9 @@ class PreparedDiTs:
     """What the loader hands diffusers and keeps for the backend, for every DiT."""
 
     prebuilt: dict[str, nn.Module] = field(default_factory=dict)
-    planned: dict[str, ComponentPlan] = field(default_factory=dict)
+    mapped: dict[str, ComponentBindings] = field(default_factory=dict)
     bound: set[str] = field(default_factory=set)
-    """Components bound to a host plan (meta tensors): never moved."""
+    """Components bound to host weights (meta tensors): never moved."""
     adapters: dict[str, tuple[str, ...]] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
 
@@ -343,16 +336,17 @@ class PreparedDiT:
     """The preflight outcome for one DiT directory."""
 
     module: nn.Module | None
-    """Built here (meta parameters with a plan; private tensors via an adapter), or None
+    """Built here (meta parameters with bindings; private tensors via an adapter), or None
     for diffusers' ordinary loader."""
-    plan: ComponentPlan | None
+    bindings: ComponentBindings | None
+    """Set when preflight proved the checkpoint maps this DiT."""
     reason: str
     adapters: tuple[str, ...] = ()
     """Checkpoint adapters the ordinary path loaded it through (part of a cache identity)."""
 
 
 def prepare_dit(
-    config: WorkerConfig,
+    settings: LoadSettings,
     component_dir: Path,
     model_class: type,
     dtype: torch.dtype,
@@ -361,11 +355,11 @@ def prepare_dit(
 ) -> PreparedDiT:
     """Run the checkpoint mmap preflight for one DiT directory (``config.json`` + safetensors).
 
-    ``component`` names the DiT in the plan: the pipeline attribute (``transformer``),
+    ``component`` names the DiT in the mapping: the pipeline attribute (``transformer``),
     or ``model`` for a bare module handed to the backend. Raises
     :class:`~dlo_worker.loader.checkpoint.CheckpointError` for corrupt input.
     """
-    streams_dit = config.effective().offload_policy == OffloadPolicy.DLO
+    streams_dit = settings.streams_dit
     # Read even when DLO is off: a corrupt checkpoint is a clear error on every path.
     checkpoint = read_checkpoint_index(component_dir)
     if checkpoint is None:
@@ -377,20 +371,20 @@ def prepare_dit(
         # weight is read (DiscoveryError names the fix).
         from dlo_worker.offload.plan import discover
 
-        discover(skeleton, config.offload.dlo_block_paths)
+        discover(skeleton, settings.block_paths)
     resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
     check_config_matches_weights(component_dir, skeleton, resolution)
     if not streams_dit:
         reason = "ordinary (DLO is off, nothing streams)"
     else:
-        refused = rejection(config, resolution) or _unproven_class(model_class)
+        refused = rejection(settings.host_backings, resolution) or _unproven_class(model_class)
         if refused is None:
-            plan = ComponentPlan(component, resolution.bindings, resolution.adapters)
-            adapters = f", adapters: {', '.join(plan.adapters)}" if plan.adapters else ""
+            bindings = ComponentBindings(component, resolution.bindings, resolution.adapters)
+            adapters = f", adapters: {', '.join(bindings.adapters)}" if bindings.adapters else ""
             return PreparedDiT(
                 skeleton,
-                plan,
-                f"checkpoint-mmap ({len(plan.bindings)} tensors in "
+                bindings,
+                f"checkpoint-mmap ({len(bindings.bindings)} tensors in "
                 f"{len(checkpoint.files)} file(s){adapters})",
             )
         reason = _report_fallback(component, refused, streams_dit)
@@ -402,14 +396,14 @@ def prepare_dit(
     return PreparedDiT(None, None, reason)
 
 
-def _check_mapped_finite(model_dir: Path, plan: HostWeightPlan, prepared: PreparedDiTs) -> None:
+def _check_mapped_finite(model_dir: Path, mapped: MappedCheckpoint, prepared: PreparedDiTs) -> None:
     """A DiT bound to its checkpoint was never loaded, so nothing else read its weights
     yet: scan its parameters through the mapping (the only read at start; it also fills
     the page cache the first step streams from)."""
-    for component in plan.components:
+    for component in mapped.components:
         parameters = [name for name, _ in prepared.prebuilt[component].named_parameters()]
         check_finite(
-            model_dir / component, ((name, plan.tensor(component, name)) for name in parameters)
+            model_dir / component, ((name, mapped.tensor(component, name)) for name in parameters)
         )
 
 
@@ -440,7 +434,7 @@ def check_config_matches_weights(
 
 
 def _report_fallback(component: str, refused: Rejection, streams_dit: bool) -> str:
-    """Log and count a preflight failure (only when DLO would have used the plan)."""
+    """Log and count a preflight failure (only when DLO would have used the mapping)."""
     if streams_dit:
         metrics.HOST_BACKING_FALLBACKS.labels(reason=refused.code).inc()
         logger.warning(

@@ -3,7 +3,7 @@
 Pure functions over headers and runtime shapes; nothing is read or materialized here.
 :func:`resolve_sources` finds exactly one source per runtime tensor (the plain
 rule, then the adapters); :func:`rejection` says why a resolution cannot back a
-checkpoint plan, or nothing when it can. A rejection is a fallback to ordinary
+checkpoint mapping, or nothing when it can. A rejection is a fallback to ordinary
 loading, decided before anything is skipped. A shape that contradicts the model's
 own config, or a dtype the model cannot run (an integer, boolean or float8 tensor for a
 floating parameter), is corruption, not a fallback: :class:`CheckpointError`.
@@ -11,9 +11,10 @@ floating parameter), is corruption, not a fallback: :class:`CheckpointError`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dlo_worker.config import HostBacking, WorkerConfig
+from dlo_worker.config import HostBacking
 from dlo_worker.loader.adapters import ADAPTERS, CheckpointAdapter, Source, TensorSpec
 from dlo_worker.loader.checkpoint import (
     CheckpointError,
@@ -112,9 +113,8 @@ def _dtype_name(dtype: object) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _backing_rejection(config: WorkerConfig) -> Rejection | None:
-    """Why the configuration rules checkpoint mmap out before any tensor is looked at."""
-    candidates = config.effective().host_backing_candidates
+def _backing_rejection(candidates: Sequence[HostBacking]) -> Rejection | None:
+    """Why the host backings rule checkpoint mmap out before any tensor is looked at."""
     if candidates[0] == HostBacking.RUNTIME_CACHE:
         return Rejection(
             "runtime-cache-preferred",
@@ -130,9 +130,11 @@ def _backing_rejection(config: WorkerConfig) -> Rejection | None:
     return None
 
 
-def rejection(config: WorkerConfig, resolution: Resolution) -> Rejection | None:
-    """Why this resolution cannot back a checkpoint plan, or None when preflight passes."""
-    if (refused := _backing_rejection(config)) is not None:
+def rejection(host_backings: Sequence[HostBacking], resolution: Resolution) -> Rejection | None:
+    """Why this resolution cannot back a checkpoint mapping, or None when preflight passes.
+
+    ``host_backings`` are the configuration's candidates, most preferred first."""
+    if (refused := _backing_rejection(host_backings)) is not None:
         return refused
     if resolution.missing:
         return Rejection(

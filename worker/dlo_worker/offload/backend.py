@@ -21,11 +21,11 @@ The host side follows the loader's choice (docs/host-storage.md):
 - ordinary tensors: each block is packed into a page-locked arena (complete, or
   this rank's 1/N shard for AllGather) and the loader's copy is freed;
 - a :class:`~dlo_worker.offload.host_weights.HostWeights` (the loader's checkpoint
-  ``HostWeightPlan``), AllGather: each rank packs its shard from
-  the mapped files into the arena, then the plan's mappings are closed;
-- mapped host weights (checkpoint plan or runtime-cache entry), rank-local: blocks keep
-  only immutable views of the mapped files. With a registration budget
-  (``host_registration_budget_bytes``) on CUDA, the views' ranges are registered with
+  ``MappedCheckpoint``), AllGather: each rank packs its shard from
+  the mapped files into the arena, then the checkpoint mappings are closed;
+- mapped host weights (checkpoint mapping or runtime-cache entry), rank-local: blocks keep
+  only immutable views of the mapped files. With a pin limit
+  (``pin_limit_bytes``) on CUDA, the views' ranges are registered with
   the driver and each load copies them directly (:mod:`~dlo_worker.offload.feeds.direct`);
   otherwise, or if registration is refused (budget, platform, a deferred adapter, a
   failed call: all or nothing, the reason is logged and reported in ``stats``), they
@@ -33,8 +33,8 @@ The host side follows the loader's choice (docs/host-storage.md):
   (:mod:`~dlo_worker.offload.feeds.staging`) or, with ``staging_ring``, a cache-sized ring of
   chunks fed by native threads (:mod:`~dlo_worker.offload.feeds.ring`).
 
-With a plan the DiT was never materialized, so failing to consume the plan is a
-hard error (:class:`HostWeightPlanError`), never a fallback.
+With host weights the DiT was never materialized, so failing to consume them is a
+hard error (:class:`HostWeightsError`), never a fallback.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from dlo_worker.offload.feeds.registration import RegisteredRanges
 from dlo_worker.offload.feeds.ring import StagingRing
 from dlo_worker.offload.feeds.staging import HostStaging, Packer
 from dlo_worker.offload.hooks import BlockHooks
-from dlo_worker.offload.host_weights import HostWeightPlanError, HostWeights
+from dlo_worker.offload.host_weights import HostWeights, HostWeightsError
 from dlo_worker.offload.layout import BlockLayout, slot_capacity
 from dlo_worker.offload.params import modules_of, move_module_except, release_freed_host_memory
 from dlo_worker.offload.plan import OffloadPlan, discover
@@ -111,15 +111,15 @@ class DistributedLayerwiseOffloadBackend:
         self,
         config: OffloadConfig,
         device: torch.device | str,
-        plan: HostWeights | None = None,
+        host_weights: HostWeights | None = None,
     ) -> None:
-        if plan is not None and not isinstance(plan, HostWeights):
+        if host_weights is not None and not isinstance(host_weights, HostWeights):
             raise UnsupportedHostBackingError(
-                "plan must be a HostWeights (e.g. DiffusersPipelineLoader."
-                f"take_host_weight_plan()), got {type(plan).__name__}"
+                "host_weights must be a HostWeights (e.g. DiffusersPipelineLoader."
+                f"take_host_weights()), got {type(host_weights).__name__}"
             )
         self.config = config
-        self.host_weight_plan = plan
+        self.host_weights = host_weights
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -155,15 +155,13 @@ class DistributedLayerwiseOffloadBackend:
         """
         if self.state == BackendState.ENABLED:
             raise OffloadSetupError("DLO is already enabled on this backend; disable() it first")
-        if self.host_weight_plan is not None and self.host_weight_plan.closed:
-            raise HostWeightPlanError(
-                "the host-weight plan was already consumed and closed; load the model again"
+        if self.host_weights is not None and self.host_weights.closed:
+            raise HostWeightsError(
+                "these host weights were already consumed and closed; load the model again"
             )
         started = time.perf_counter()
         plan = discover(model_or_pipeline, self.config.block_paths)
-        setup = StreamSetup(
-            self.config, self.device, self.host_weight_plan, self._shards, self._rank
-        )
+        setup = StreamSetup(self.config, self.device, self.host_weights, self._shards, self._rank)
         setup.check_plan_covers(plan)
         ownership.check_not_taken(plan, self)
         self._counters = TransferCounters()
@@ -205,8 +203,8 @@ class DistributedLayerwiseOffloadBackend:
         with ExitStack() as releases:
             # Pushed first, so they run last: what freed memory and closed mappings leave.
             releases.callback(self._return_freed_memory)
-            if self.host_weight_plan is not None:
-                releases.callback(self.host_weight_plan.close)
+            if self.host_weights is not None:
+                releases.callback(self.host_weights.close)
             for dit in plan.dits:
                 ownership.mark(dit.module, self)
                 releases.callback(ownership.unmark, dit.module, self)
@@ -351,8 +349,8 @@ class DistributedLayerwiseOffloadBackend:
 
     @property
     def _host_backing(self) -> str:
-        plan = self.host_weight_plan
-        return str(plan.backing) if plan is not None else "ordinary"
+        host_weights = self.host_weights
+        return str(host_weights.backing) if host_weights is not None else "ordinary"
 
     def disable(self) -> None:
         """Synchronize, remove hooks, free slots and host memory. Idempotent.

@@ -58,9 +58,9 @@ class OffloadConfig:
     cost is under 1% of it."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
-    host_registration_budget_bytes: int = 0
-    """Rank-local mapped blocks on CUDA: register the mapping for direct copies when its
-    pages fit this many bytes (0: always stage)."""
+    pin_limit_bytes: int = 0
+    """Host bytes this process may pin (register with the driver) so rank-local mapped
+    blocks on CUDA are copied directly from their mapping (0: always stage)."""
     host_registration_timeout_s: float = 600.0
     """Registration taking longer falls back to staging (checked between ranges)."""
 
@@ -71,11 +71,8 @@ class OffloadConfig:
             raise ValueError(
                 f"allgather_shard_buffers must be >= 2, got {self.allgather_shard_buffers}"
             )
-        if self.host_registration_budget_bytes < 0:
-            raise ValueError(
-                "host_registration_budget_bytes must be >= 0, got "
-                f"{self.host_registration_budget_bytes}"
-            )
+        if self.pin_limit_bytes < 0:
+            raise ValueError(f"pin_limit_bytes must be >= 0, got {self.pin_limit_bytes}")
         if self.staging_buffers < 2:
             raise ValueError(f"staging_buffers must be >= 2, got {self.staging_buffers}")
         if self.staging_ring_chunk_bytes < 4096 or self.staging_ring_chunk_bytes % 4096:

@@ -10,4 +10,4 @@ class OffloadSetupError(RuntimeError, UserFixableError):
 
 
 class UnsupportedHostBackingError(ValueError, UserFixableError):
-    """The object passed as ``plan`` is not a HostWeights this backend can consume."""
+    """The object passed as ``host_weights`` is not a HostWeights this backend can consume."""

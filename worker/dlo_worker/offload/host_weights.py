@@ -4,7 +4,7 @@ The backend streams blocks whose parameters are ordinary tensors, or, when a loa
 proved it safe, reads them from a :class:`HostWeights`: an object that binds every
 tensor of some DiT components (``transformer``, ``transformer_2``) to a host view it
 hands out, and that is closed once the backend no longer needs it. The loader's
-``HostWeightPlan`` (checkpoint mappings) is one, a node-local runtime-cache entry
+``MappedCheckpoint`` (checkpoint mappings) is one, a node-local runtime-cache entry
 another. The backend knows only this protocol, never the loader.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
-class HostWeightPlanError(RuntimeError):
+class HostWeightsError(RuntimeError):
     """Host weights were used after they were closed, asked for a tensor they do not
     bind, or could not be consumed (the DiT was never materialized: no fallback)."""
 

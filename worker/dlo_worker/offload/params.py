@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dlo_worker.offload.block import StreamedBlock
-from dlo_worker.offload.host_weights import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightsError
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ def parameter_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def set_parameter_data(parameter: nn.Parameter, value: torch.Tensor) -> None:
-    """``parameter.data = value``, also for the meta parameters of a plan-backed DiT (whose
-    tensor type cannot change in place); the Parameter object stays the same either way."""
+    """``parameter.data = value``, also for the meta parameters of a DiT bound to host
+    weights (whose tensor type cannot change in place); the Parameter object stays the
+    same either way."""
     if parameter.is_meta:
         torch.utils.swap_tensors(parameter, nn.Parameter(value, parameter.requires_grad))
     else:
@@ -57,7 +58,7 @@ def assign_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
     elif attribute in owner._buffers:
         owner._buffers[attribute] = value
     else:
-        raise HostWeightPlanError(f"{name} is neither a parameter nor a buffer of the model")
+        raise HostWeightsError(f"{name} is neither a parameter nor a buffer of the model")
 
 
 def modules_of(model_or_pipeline: object) -> list[nn.Module]:

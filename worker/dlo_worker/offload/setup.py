@@ -2,7 +2,7 @@
 
 The backend owns the order and the lifecycle; this module owns what each step does:
 which blocks stay resident, each streamed block's layout and mapped pieces, the DiT
-tensors a host-weight plan binds that do not stream (copied to the device once), the
+tensors the host weights bind that do not stream (copied to the device once), the
 page-locked arena the blocks are packed into, and for mapped blocks the choice between
 registering them with the driver and packing them through staging.
 """
@@ -22,7 +22,7 @@ from dlo_worker.offload.feeds.arena import HostArena
 from dlo_worker.offload.feeds.registration import RegisteredRanges, RegistrationRefusedError
 from dlo_worker.offload.feeds.ring import StagingRing
 from dlo_worker.offload.feeds.staging import HostStaging, Packer, wait_all
-from dlo_worker.offload.host_weights import HostWeightPlanError, HostWeights
+from dlo_worker.offload.host_weights import HostWeights, HostWeightsError
 from dlo_worker.offload.layout import layout_of, shard_bounds, slot_capacity, streamed_parameters
 from dlo_worker.offload.params import assign_tensor, pack_block, parameter_bytes, set_parameter_data
 from dlo_worker.offload.plan import DiTPlan, OffloadPlan
@@ -99,9 +99,9 @@ class StreamSetup:
             return
         unknown = sorted(set(self.host_weights.components) - {dit.name for dit in plan.dits})
         if unknown:
-            raise HostWeightPlanError(
-                f"the host-weight plan binds {', '.join(unknown)} but the pipeline has no such "
-                "DiT; hand the plan to the backend of the pipeline it was loaded with"
+            raise HostWeightsError(
+                f"the host weights bind {', '.join(unknown)} but the pipeline has no such "
+                "DiT; hand them to the backend of the pipeline it was loaded with"
             )
 
     def describe(
@@ -143,8 +143,8 @@ class StreamSetup:
         for entry in entries:
             view = host_weights.tensor(dit.name, f"{block_name}.{entry.name}")
             if not view.is_contiguous() or view.dtype != entry.dtype:
-                raise HostWeightPlanError(
-                    f"{dit.name}.{block_name}.{entry.name}: the plan's view is not a contiguous "
+                raise HostWeightsError(
+                    f"{dit.name}.{block_name}.{entry.name}: the mapped view is not a contiguous "
                     f"{entry.dtype} tensor; the loader's preflight and the model disagree"
                 )
             pieces.setdefault(entry.dtype, []).append(
@@ -161,10 +161,10 @@ class StreamSetup:
         streamed: list[tuple[DiTPlan, str, nn.Module]],
         resident_parameter_ids: set[int],
     ) -> None:
-        """Copy every plan-bound DiT tensor that does not stream onto the device.
+        """Copy every DiT tensor bound to the host weights that does not stream onto the device.
 
         Embedders, norms, resident layers and persistent buffers are small; they are
-        copied out of the mapping once. Streamed parameters stay bound to the plan.
+        copied out of the mapping once. Streamed parameters stay bound to the host weights.
         """
         host_weights = self.host_weights
         if host_weights is None:
@@ -242,7 +242,7 @@ class StreamSetup:
     def register(self, blocks: list[StreamedBlock]) -> tuple[RegisteredRanges | None, str]:
         """Register the mapped views of ``blocks`` for direct copies, or None (staging), with
         the outcome ``stats`` reports; logs why registration was refused."""
-        budget = self.config.host_registration_budget_bytes
+        budget = self.config.pin_limit_bytes
         if budget <= 0:
             return None, "off"
         if self.device.type != "cuda":

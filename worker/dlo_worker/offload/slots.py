@@ -321,7 +321,7 @@ class SlotPair:
         buffer holds a shard not gathered yet and ``evict`` is false. With ``evict`` (a
         load that cannot wait), the next buffer of the ring is taken over; its block is
         copied again when it is loaded. AllGather shards always come from the private
-        arena (``block.arena_views``): checkpoint plans are packed into it.
+        arena (``block.arena_views``): checkpoint mappings are packed into it.
         """
         for buffer in self.shard_ring:
             if buffer.block is block:

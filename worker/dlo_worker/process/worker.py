@@ -13,12 +13,19 @@ import logging
 import signal
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dlo_worker.config import OffloadPolicy, Quantization, ShardingGroup, WorkerConfig
+from dlo_worker.config import (
+    OffloadPolicy,
+    Quantization,
+    ShardingGroup,
+    WorkerConfig,
+    load_settings,
+)
 from dlo_worker.loader.diffusers_loader import (
     DIT_COMPONENTS,
     BackingDecision,
@@ -26,7 +33,7 @@ from dlo_worker.loader.diffusers_loader import (
 )
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
-from dlo_worker.offload.host_weights import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightsError
 from dlo_worker.pipeline import diffusers_offload, quantization, sequence_parallel
 from dlo_worker.process.devices import resolve_device, resolve_dtype
 from dlo_worker.process.topology import Topology, init_topology
@@ -34,7 +41,7 @@ from dlo_worker.process.topology import Topology, init_topology
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-    from dlo_worker.loader.host_weight_plan import HostWeightPlan
+    from dlo_worker.loader.mapped_checkpoint import MappedCheckpoint
     from dlo_worker.runtime_cache.entry import RuntimeCacheEntry
 
 logger = logging.getLogger(__name__)
@@ -91,10 +98,12 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
-        loader = DiffusersPipelineLoader(self.config, dtype=self.dtype, device=self.device)
+        loader = DiffusersPipelineLoader(
+            load_settings(self.config), dtype=self.dtype, device=self.device
+        )
         self._pipeline = loader.load(self._check_pipeline)
         self._backing = loader.decision
-        plan = loader.take_host_weight_plan()
+        host_weights = loader.take_host_weights()
         if self.config.model.quantization == Quantization.FP8:
             # Before DLO packs the blocks: it streams the FP8 weights (the loader kept them
             # ordinary tensors, never a checkpoint mapping, for that reason).
@@ -103,7 +112,7 @@ class Worker:
         if policy in diffusers_offload.DIFFUSERS_POLICIES:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
         if policy == OffloadPolicy.DLO:
-            self._enable_dlo(plan)
+            self._enable_dlo(host_weights)
         if self.config.parallel.sequence_parallel_size > 1:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
@@ -123,21 +132,23 @@ class Worker:
             raise RuntimeError("the worker has not loaded its model: start it first")
         return self._backing
 
-    def _enable_dlo(self, plan: HostWeightPlan | RuntimeCacheEntry | None) -> None:
+    def _enable_dlo(self, host_weights: MappedCheckpoint | RuntimeCacheEntry | None) -> None:
         offload_config = offload_config_for(self.config, self.topology.groups)
         try:
-            self.backend = DistributedLayerwiseOffloadBackend(offload_config, self.device, plan)
+            self.backend = DistributedLayerwiseOffloadBackend(
+                offload_config, self.device, host_weights
+            )
             self.backend.enable(self.pipeline)
             registration = self.backend.stats().host_registration
             if registration != "none":
                 metrics.HOST_REGISTRATIONS.labels(result=registration).inc()
         except Exception as error:
-            if plan is None:
+            if host_weights is None:
                 raise
             # The DiT was never materialized: there is nothing to fall back to.
-            plan.close()
-            raise HostWeightPlanError(
-                f"DLO could not consume the checkpoint host-weight plan ({error}); the DiT was "
+            host_weights.close()
+            raise HostWeightsError(
+                f"DLO could not consume the checkpoint mapping ({error}); the DiT was "
                 "not loaded ordinarily, so the worker cannot start"
             ) from error
 
@@ -152,22 +163,45 @@ class Worker:
             self._previous_sigterm = None
 
 
+@dataclass(frozen=True)
+class BackendOption:
+    """A worker option the backend takes: its :class:`OffloadConfig` field, and the unit
+    conversion between them (GiB options become byte counts)."""
+
+    option: str
+    """The field of :class:`~dlo_worker.config.OffloadOptions` (``--dlo-*``)."""
+    field: str
+    """The field of :class:`OffloadConfig`."""
+    convert: Callable[[Any], Any] = lambda value: value
+
+
+def _gib_to_bytes(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**30)
+
+
+BACKEND_OPTIONS: tuple[BackendOption, ...] = (
+    BackendOption("dlo_use_allgather", "use_allgather"),
+    BackendOption("dlo_resident_layers", "resident_layers"),
+    BackendOption("dlo_allgather_shard_buffers", "allgather_shard_buffers"),
+    BackendOption("dlo_gpu_memory_budget_gib", "gpu_memory_budget_bytes", _gib_to_bytes),
+    BackendOption("dlo_block_paths", "block_paths"),
+    BackendOption("dlo_runtime_cache_pin_limit_gib", "pin_limit_bytes", _gib_to_bytes),
+)
+"""The one mapping from worker options to the backend's (the operator's ``CRD_FIELDS``
+maps the CRD to the worker options the same way); a test checks both sides exist."""
+
+
 def offload_config_for(
     config: WorkerConfig, groups: dict[ShardingGroup, dist.ProcessGroup]
 ) -> OffloadConfig:
-    """The backend's configuration: the existing DP (else SP) group the worker configuration
-    selects for DLO's weight sharding, and its residency options."""
+    """The backend's configuration: :data:`BACKEND_OPTIONS`, and the existing DP (else SP)
+    group the worker configuration selects for DLO's weight sharding."""
     effective = config.effective()
-    offload = config.offload
     group = groups.get(effective.dlo_sharding_group)
+    options = {
+        option.field: option.convert(getattr(config.offload, option.option))
+        for option in BACKEND_OPTIONS
+    }
     return OffloadConfig(
-        use_allgather=offload.dlo_use_allgather,
-        process_group=group if effective.dlo_sharding_size > 1 else None,
-        resident_layers=offload.dlo_resident_layers,
-        allgather_shard_buffers=offload.dlo_allgather_shard_buffers,
-        gpu_memory_budget_bytes=None
-        if offload.dlo_gpu_memory_budget_gib is None
-        else int(offload.dlo_gpu_memory_budget_gib * 2**30),
-        block_paths=offload.dlo_block_paths,
-        host_registration_budget_bytes=int(offload.dlo_runtime_cache_pin_limit_gib * 2**30),
+        process_group=group if effective.dlo_sharding_size > 1 else None, **options
     )

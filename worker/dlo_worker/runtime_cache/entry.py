@@ -34,7 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dlo_worker import __version__
-from dlo_worker.offload.host_weights import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightsError
 from dlo_worker.offload.layout import BlockLayout, layout_of, streamed_parameters
 from dlo_worker.offload.plan import discover
 from dlo_worker.runtime_cache.digest import content_digest, file_sha256, files_sha256
@@ -274,11 +274,11 @@ class RuntimeCacheEntry:
     def tensor(self, component: str, name: str) -> torch.Tensor:
         """The mapped view of ``component``'s tensor ``name``; never write to it."""
         if self._views is None:
-            raise HostWeightPlanError("the runtime-cache entry is closed")
+            raise HostWeightsError("the runtime-cache entry is closed")
         try:
             return self._views[component][name]
         except KeyError:
-            raise HostWeightPlanError(
+            raise HostWeightsError(
                 f"the runtime-cache entry holds no tensor {component}.{name}"
             ) from None
 
@@ -297,7 +297,7 @@ class RuntimeCacheEntry:
         their content digest, re-derived from the bytes the views show, against the one the
         identity (and so the key) records. Reads every mapped byte once."""
         if self._views is None:
-            raise HostWeightPlanError("the runtime-cache entry is closed")
+            raise HostWeightsError("the runtime-cache entry is closed")
         named_views = [
             (f"{component}/{name}", view)
             for component, named in self._views.items()
@@ -321,7 +321,7 @@ class RuntimeCacheEntry:
             for name, tensor in state.items():
                 try:
                     mapped = self.tensor(component, name)
-                except HostWeightPlanError:
+                except HostWeightsError:
                     return f"{component}.{name} (missing)"
                 if mapped.shape != tensor.shape or mapped.dtype != tensor.dtype:
                     return f"{component}.{name} (shape or dtype)"

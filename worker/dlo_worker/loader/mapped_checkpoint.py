@@ -1,7 +1,7 @@
-"""HostWeightPlan: the one-way contract from the loader to the DLO backend.
+"""MappedCheckpoint: the one-way contract from the loader to the DLO backend.
 
-The loader builds a plan only after preflight proved it; the backend consumes the
-exact object (it never rescans files or repeats the decision). A plan holds the
+The loader builds one only after preflight proved it; the backend consumes the
+exact object (it never rescans files or repeats the decision). It holds the
 backing kind, one binding per DiT tensor (checkpoint key plus bounded transform),
 the source coverage, and the open read-only mappings. Views it hands out alias the
 page cache, so processes mapping the same files share one physical copy.
@@ -20,9 +20,9 @@ from safetensors import safe_open
 
 from dlo_worker.config import HostBacking
 from dlo_worker.loader.preflight import Binding
-from dlo_worker.offload.host_weights import HostWeightPlanError
+from dlo_worker.offload.host_weights import HostWeightsError
 
-__all__ = ["CheckpointMappings", "ComponentPlan", "HostWeightPlan", "HostWeightPlanError"]
+__all__ = ["CheckpointMappings", "ComponentBindings", "HostWeightsError", "MappedCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class CheckpointMappings:
     def view(self, binding: Binding) -> torch.Tensor:
         """The binding's tensor with its row range applied, aliasing the mapped file."""
         if self._handles is None:
-            raise HostWeightPlanError("the checkpoint mappings are closed")
+            raise HostWeightsError("the checkpoint mappings are closed")
         file = binding.tensor.file
         handle = self._handles.get(file)
         if handle is None:
@@ -55,7 +55,7 @@ class CheckpointMappings:
 
 
 @dataclass(frozen=True)
-class ComponentPlan:
+class ComponentBindings:
     """The bindings of one DiT component (``transformer``, ``transformer_2``)."""
 
     component: str
@@ -65,20 +65,20 @@ class ComponentPlan:
 
 @dataclass(frozen=True)
 class SourceCoverage:
-    """Which files back the plan and how much of them it uses."""
+    """Which files back the mapping and how much of them it uses."""
 
     files: tuple[Path, ...]
     tensors: int
     nbytes: int
 
 
-class HostWeightPlan:
+class MappedCheckpoint:
     """Checkpoint-backed DiT weights; see the module docstring. The consumer closes it."""
 
-    def __init__(self, backing: HostBacking, components: dict[str, ComponentPlan]) -> None:
+    def __init__(self, backing: HostBacking, components: dict[str, ComponentBindings]) -> None:
         self.backing = backing
         self.components = components
-        bindings = [b for plan in components.values() for b in plan.bindings.values()]
+        bindings = [b for bound in components.values() for b in bound.bindings.values()]
         self.coverage = SourceCoverage(
             files=tuple(sorted({b.tensor.file for b in bindings})),
             tensors=len(bindings),
@@ -91,13 +91,13 @@ class HostWeightPlan:
         return self._mappings.closed
 
     def binds(self, component: str, name: str) -> bool:
-        plan = self.components.get(component)
-        return plan is not None and name in plan.bindings
+        bound = self.components.get(component)
+        return bound is not None and name in bound.bindings
 
     @property
     def registrable(self) -> bool:
-        """Only a plan without adapters maps the final tensors byte for byte."""
-        return not any(plan.adapters for plan in self.components.values())
+        """Only a mapping without adapters maps the final tensors byte for byte."""
+        return not any(bound.adapters for bound in self.components.values())
 
     def tensor(self, component: str, name: str) -> torch.Tensor:
         """The immutable view of runtime tensor ``name`` (its transform applied; no copy).
@@ -105,11 +105,11 @@ class HostWeightPlan:
         Never write to it: the storage is the mapped checkpoint file.
         """
         if not self.binds(component, name):
-            raise HostWeightPlanError(f"the host-weight plan binds no tensor {component}.{name}")
+            raise HostWeightsError(f"the mapped checkpoint binds no tensor {component}.{name}")
         return self._mappings.view(self.components[component].bindings[name])
 
     def close(self) -> None:
         """Release the mappings (views already handed out keep their pages alive). Idempotent."""
         if not self._mappings.closed:
             self._mappings.close()
-            logger.info("host-weight plan closed", extra={"fields": {"backing": self.backing}})
+            logger.info("checkpoint mapping closed", extra={"fields": {"backing": self.backing}})
