@@ -195,25 +195,47 @@ def test_the_operator_runs_as_a_pod_of_its_image(deployment: Deployment) -> None
     assert ready(operator)
 
 
-def test_available_only_once_every_worker_is_ready(deployment: Deployment) -> None:
+def test_available_only_once_every_worker_of_an_engine_is_ready(deployment: Deployment) -> None:
+    """Available counts whole engines (docs/operator.md): with two engines and the default
+    disruption budget one engine whose every worker is Ready makes it True
+    (MinimumEnginesReady), AllEnginesReady needs every worker, and a partly ready engine
+    never counts."""
     premature: list[str] = []
 
     def observe() -> dict[str, client.V1Pod] | None:
         available = deployment.condition("Available")
         pods = deployment.pods()
-        if available and available["status"] == "True" and not all(map(ready, pods)):
-            premature.append(f"Available with {[p.metadata.name for p in pods if not ready(p)]}")
+        engines: dict[str, list[bool]] = {}
+        for pod in pods:
+            engines.setdefault(engine_of(pod), []).append(ready(pod))
+        whole = [
+            e for e, states in engines.items() if len(states) == PODS_PER_ENGINE and all(states)
+        ]
+        if available and available["status"] == "True":
+            if not whole:
+                premature.append(f"Available with no whole engine ready: {engines}")
+            if available["reason"] == "AllEnginesReady" and len(whole) < ENGINES:
+                premature.append(f"AllEnginesReady with {engines}")
         return serving(deployment)
 
     pods = eventually(observe, 420, "the DiffusionDeployment Available")
     assert premature == []
-    available = deployment.condition("Available")
+    # Every worker is Ready now: the next pass reports all engines (the reason may lag).
+    available = eventually(
+        lambda: (c := deployment.condition("Available")) and c["reason"] == "AllEnginesReady" and c,
+        60,
+        "Available for all engines",
+    )
+    assert available["status"] == "True", available
     available_since = datetime.fromisoformat(available["lastTransitionTime"])
+    became_ready: dict[str, list[datetime]] = {}
     for pod in pods.values():
-        (became_ready,) = [c for c in pod.status.conditions if c.type == "Ready"]
-        assert became_ready.last_transition_time <= available_since, pod.metadata.name
+        (condition,) = [c for c in pod.status.conditions if c.type == "Ready"]
+        became_ready.setdefault(engine_of(pod), []).append(condition.last_transition_time)
         health = requests.get(f"http://{pod.status.pod_ip}:8000/health/ready", timeout=5)
         assert health.status_code == 200, (pod.metadata.name, health.text)
+    # It turned True only after the first engine had every worker Ready.
+    assert min(max(times) for times in became_ready.values()) <= available_since, became_ready
     by_engine: dict[str, set[str]] = {}
     for pod in pods.values():
         by_engine.setdefault(engine_of(pod), set()).add(pod.spec.node_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from dlo_worker.config import (
     TransferMode,
     WorkerConfig,
     dlo_sharding_group,
+    load_settings,
 )
 from tests.support.configs import DLO, NO_ALLGATHER, config, rejected
 
@@ -347,3 +349,35 @@ def test_every_violation_is_reported_in_one_line() -> None:
 @pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:"])
 def test_device_must_be_known(device: str) -> None:
     assert "--device" in rejected(model={"device": device})
+
+
+def test_the_effective_configuration_is_resolved_once_at_validation() -> None:
+    built = config(offload=DLO)
+    assert built.effective() is built.effective()
+
+
+def test_the_loader_sees_the_runtime_cache_only_where_streamed_dits_may_use_it(
+    tmp_path: Path,
+) -> None:
+    model = {"model": str(tmp_path)}
+    cached = {
+        **NO_ALLGATHER,
+        "dlo_enable_runtime_cache": True,
+        "dlo_runtime_cache_root": str(tmp_path / "cache"),
+        "dlo_runtime_cache_size_budget_gib": 0.5,
+    }
+    settings = load_settings(config(offload=cached, model=model))
+    assert settings.streams_dit
+    assert HostBacking.RUNTIME_CACHE in settings.host_backings
+    assert settings.runtime_cache is not None
+    assert settings.runtime_cache.root == tmp_path / "cache"
+    assert settings.runtime_cache.size_budget_bytes == 2**29
+    resident = load_settings(config(model=model))
+    assert not resident.streams_dit
+    assert resident.runtime_cache is None
+    assert resident.host_backings == (HostBacking.ORDINARY,)
+
+
+def test_loading_needs_a_model_directory() -> None:
+    with pytest.raises(ValueError, match="--model is required"):
+        load_settings(config(offload=DLO))

@@ -81,7 +81,7 @@ def runtime_tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
 
 
 class DiffusersPipelineLoader:
-    """Loads one pipeline directory once; hands its MappedCheckpoint over exactly once."""
+    """Loads one pipeline directory once; hands its DiTs' host weights over exactly once."""
 
     def __init__(self, settings: LoadSettings, *, dtype: torch.dtype, device: torch.device) -> None:
         self.settings = settings
