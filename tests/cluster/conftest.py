@@ -15,6 +15,7 @@ from dlo_operator.crd import custom_resource_definition
 from tests.cluster.helpers import eventually
 from tests.harness import nodes
 from tests.harness.control_plane import ClusterState, down, up
+from tests.harness.diagnostics import cluster_report
 from tests.harness.images import missing_host_tools
 
 
@@ -92,6 +93,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     _real_node_tests.update(
         item.nodeid for item in items if "real_cluster" in getattr(item, "fixturenames", ())
     )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test of the real-node tier carries a report of the cluster and the host
+    network (:mod:`tests.harness.diagnostics`): CI keeps no machine to look at."""
+    report = yield
+    state = getattr(item, "funcargs", {}).get("real_cluster")
+    if report.failed and report.when in ("setup", "call") and isinstance(state, ClusterState):
+        report.sections.append(("real-node tier: cluster and host network", cluster_report(state)))
+    return report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
