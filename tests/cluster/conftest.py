@@ -95,14 +95,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     )
 
 
+_reported: list[str] = []
+"""The real-node tests whose failure carries the full cluster report (the first one)."""
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     """A failed test of the real-node tier carries a report of the cluster and the host
-    network (:mod:`tests.harness.diagnostics`): CI keeps no machine to look at."""
+    network (:mod:`tests.harness.diagnostics`): CI keeps no machine to look at. The first
+    failure's report is full; later ones show the Pods and events, and name the first."""
     report = yield
     state = getattr(item, "funcargs", {}).get("real_cluster")
     if report.failed and report.when in ("setup", "call") and isinstance(state, ClusterState):
-        report.sections.append(("real-node tier: cluster and host network", cluster_report(state)))
+        first = not _reported
+        title = "real-node tier: cluster and host network"
+        if first:
+            _reported.append(item.nodeid)
+        else:
+            title += f" (host network and logs: see {_reported[0]})"
+        report.sections.append((title, cluster_report(state, full=first)))
     return report
 
 
@@ -135,10 +146,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSt
         yield state
     finally:
         down(directory, progress=progress)
-        plans = [
-            nodes.NodePlan(i, nodes.cluster_id(directory), directory, 0, 0, Path("/nonexistent"))
-            for i in (0, 1)
-        ]
+        plans = state.node_plans()
+        assert len(plans) == 2
         assert not any(nodes._shims(plan) or nodes._cgroup_processes(plan) for plan in plans)
         assert not any(
             line.split()[1].startswith(str(directory / "nodes"))

@@ -29,7 +29,6 @@ from urllib3.exceptions import ProtocolError
 from dlo_operator.api import GROUP, PLURAL, VERSION
 from dlo_operator.render import LABEL_DEPLOYMENT, LABEL_ROLE
 from tests.cluster.helpers import CHART, cluster_tool, eventually
-from tests.harness import nodes
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
 from tests.support.generate import DEMO_REQUEST, host_generate
@@ -362,17 +361,9 @@ def container_log(state: ClusterState, pod: client.V1Pod) -> IO[str]:
     ``kubectl logs -f`` loses the last lines now and then when a deleted Pod's container
     is removed right after it exits (the stream ends with ``NotFound``); an open file keeps
     every line, even once the kubelet has unlinked it."""
-    plan = next(p for p in state.real_nodes if f"dlo-real-{p['index']}" == pod.spec.node_name)
+    plan = next(p for p in state.node_plans() if p.name == pod.spec.node_name)
     directory = f"{NAMESPACE}_{pod.metadata.name}_{pod.metadata.uid}"
-    path = (
-        nodes.NodePlan(
-            **{**plan, "directory": Path(plan["directory"]), "store": Path(plan["store"])}
-        ).pod_logs
-        / directory
-        / "worker"
-        / "0.log"
-    )
-    return path.open()
+    return (plan.pod_logs / directory / "worker" / "0.log").open()
 
 
 class ExitWatch:

@@ -10,6 +10,7 @@ fixtures call the same functions.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 from tests.harness import babysitter, nodes
 from tests.harness import pki as pki_module
 from tests.harness.build import NODE_BINARIES, Builder, cache_root
-from tests.harness.nodes import host_address
+from tests.harness.nodes import choose_pod_network, host_address, host_networks
 from tests.support.ports import free_port
 
 STATE_FILE = "cluster.json"
@@ -64,6 +65,12 @@ class ClusterState:
     components: list[Component]
     real_nodes: list[dict] = field(default_factory=list)
     """The :class:`~tests.harness.nodes.NodePlan` of each real node (``down`` cleans them)."""
+    pod_network: str = ""
+    """The real nodes' pod network (:func:`~tests.harness.nodes.choose_pod_network`), each
+    node's pod CIDR a /24 of it; empty without real nodes."""
+
+    def node_plans(self) -> list[nodes.NodePlan]:
+        return [nodes.NodePlan.from_record(record) for record in self.real_nodes]
 
     @classmethod
     def load(cls, directory: Path) -> ClusterState | None:
@@ -280,6 +287,8 @@ def up(
     # Pods on real nodes call the apiserver through the kubernetes Service, whose endpoint
     # is the advertised address: the host's, not loopback.
     address = host_address() if real_nodes else LOOPBACK
+    # Chosen before anything starts: a host with no free pod network refuses at once.
+    pod_network = choose_pod_network(host_networks(), service_cidr) if real_nodes else None
     pki = pki_module.generate(directory / "pki", serving_ips=(address,))
     launcher = _Launcher(directory, bin_dir)
     try:
@@ -292,7 +301,8 @@ def up(
             progress=progress,
         )
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
-        if real_nodes:
+        if pod_network:
+            state.pod_network = str(pod_network)
             _start_real_nodes(state, launcher, real_nodes, progress)
     except BaseException:
         partial = ClusterState.load(directory) or ClusterState(str(directory), "", "", [])
@@ -490,10 +500,7 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
     state = ClusterState.load(directory)
     if state is None:
         return
-    plans = {
-        nodes.NodePlan.from_record(record).name: nodes.NodePlan.from_record(record)
-        for record in state.real_nodes
-    }
+    plans = {plan.name: plan for plan in state.node_plans()}
     for component in reversed(state.components):
         if not is_running(component):
             continue
@@ -504,9 +511,9 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
                 nodes.remove_containers(plans[node])
         progress(f"stopping {component.name}")
         _stop(component)
-    for plan in state.real_nodes:
-        progress(f"cleaning real node {plan['index']}")
-        nodes.clean_node(nodes.NodePlan.from_record(plan))
+    for plan in plans.values():
+        progress(f"cleaning real node {plan.index}")
+        nodes.clean_node(plan)
     (directory / STATE_FILE).unlink(missing_ok=True)
 
 
@@ -538,7 +545,8 @@ def _tcp_open(address: str, port: int) -> bool:
 def _start_real_nodes(
     state: ClusterState, launcher: _Launcher, count: int, progress: Progress
 ) -> None:
-    """containerd and a kubelet per node (images imported), then wait until Ready."""
+    """containerd and a kubelet per node (images imported), then wait until Ready; each
+    node's pod CIDR is a /24 of ``state.pod_network``."""
     from kubernetes import client, config
 
     from tests.harness.images import ImageBuilder
@@ -555,6 +563,7 @@ def _start_real_nodes(
             directory,
             free_port(),
             free_port(),
+            nodes.node_pod_cidr(ipaddress.IPv4Network(state.pod_network), index),
             cache_root() / "containerd" / str(index),
         )
         nodes.clean_node(plan)  # what a killed earlier run left
@@ -608,7 +617,10 @@ def _start_real_nodes(
         )
         state.components = launcher.components
         state.save()
-    progress("starting kube-proxy (iptables; one for the host the real nodes share)")
+    progress(
+        f"starting kube-proxy (iptables; one for the host the real nodes share; "
+        f"pod network {state.pod_network})"
+    )
     launcher.start(
         "kube-proxy",
         [
@@ -619,7 +631,7 @@ def _start_real_nodes(
             "--proxy-mode",
             "iptables",
             "--cluster-cidr",
-            "10.244.0.0/16",
+            state.pod_network,
             # Pods of one bridge reach a Service backed by a Pod of the same bridge through
             # the host: masquerading makes the reply come back the same way.
             "--masquerade-all",

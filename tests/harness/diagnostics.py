@@ -15,7 +15,7 @@ from kubernetes import client, config
 from tests.harness.control_plane import ClusterState
 
 LOG_TAIL_LINES = 25
-EVENTS = 40
+EVENTS = 25
 NODE_COMPONENTS = ("kube-proxy", "kubelet", "containerd")
 TABLE_LINES = 120
 SYSCTLS = (
@@ -45,7 +45,7 @@ def _tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def host_network() -> str:
-    """Forwarding, filtering and routes of the host the real nodes share."""
+    """Forwarding, addresses, routes and filtering of the host the real nodes share."""
     sysctls = []
     for name in SYSCTLS:
         path = Path("/proc/sys") / name
@@ -53,8 +53,10 @@ def host_network() -> str:
     return "\n".join(
         [
             "sysctl: " + " ".join(sysctls),
-            "-- ip -4 route",
-            _run(["ip", "-4", "route"]),
+            "-- ip -4 -brief address",
+            _run(["ip", "-4", "-brief", "address"]),
+            "-- ip -4 route show table all (broadcast aside)",
+            _run(["sh", "-c", "ip -4 route show table all | grep -v '^broadcast'"]),
             "-- iptables -S (filter)",
             _run(["iptables", "-S"]),
             "-- iptables -t nat -S KUBE-SERVICES",
@@ -63,6 +65,18 @@ def host_network() -> str:
             _run(["nft", "list", "tables"]),
         ]
     )
+
+
+def pod_network(state: ClusterState) -> str:
+    """The pod network, each node's pod CIDR and bridge, and the host's address."""
+    lines = [f"pod network {state.pod_network or '(none recorded)'}"]
+    lines += [f"{plan.name}: {plan.pod_cidr} on {plan.bridge}" for plan in state.node_plans()]
+    return "\n".join(lines)
+
+
+def _route(address: str) -> str:
+    """Where this host sends packets for ``address`` (``ip route get``'s first line)."""
+    return _run(["ip", "-4", "route", "get", address], limit=1)
 
 
 def _pods_and_events(kubeconfig: str) -> list[str]:
@@ -74,13 +88,14 @@ def _pods_and_events(kubeconfig: str) -> list[str]:
         # The report belongs to a test that failed already: an API server that is down is
         # part of what it reports, not a second failure hiding the first.
         return [f"(the API server did not answer: {error})"]
-    lines = ["-- pods"]
+    lines = ["-- pods (and where the host routes their address)"]
     for pod in pods:
         statuses = pod.status.container_statuses or []
         restarts = sum(status.restart_count for status in statuses)
+        route = f" route: {_route(pod.status.pod_ip)}" if pod.status.pod_ip else ""
         lines.append(
             f"{pod.metadata.namespace}/{pod.metadata.name} node={pod.spec.node_name} "
-            f"phase={pod.status.phase} ip={pod.status.pod_ip} restarts={restarts}"
+            f"phase={pod.status.phase} ip={pod.status.pod_ip} restarts={restarts}{route}"
         )
     events.sort(key=lambda event: str(event.last_timestamp or event.event_time or ""))
     lines.append(f"-- events (last {EVENTS})")
@@ -93,12 +108,18 @@ def _pods_and_events(kubeconfig: str) -> list[str]:
     return lines
 
 
-def cluster_report(state: ClusterState) -> str:
-    """Every Pod with its node and phase, recent events, the tail of the logs of the node
-    components (kube-proxy, kubelets, containerds) and the host network."""
-    sections = _pods_and_events(state.kubeconfig)
-    for component in state.components:
-        if component.name.split("@")[0] in NODE_COMPONENTS:
-            sections += [f"-- {component.name} (last {LOG_TAIL_LINES} lines)", _tail(component.log)]
-    sections.append(host_network())
+def cluster_report(state: ClusterState, *, full: bool = True) -> str:
+    """The pod network, every Pod with its node, phase and route, recent events, then (when
+    ``full``) the host network and the tail of the node components' logs (kube-proxy,
+    kubelets, containerds). What most often explains a failure comes first: a CI record
+    keeps only part of a long output."""
+    sections = [pod_network(state), *_pods_and_events(state.kubeconfig)]
+    if full:
+        sections.append(host_network())
+        for component in state.components:
+            if component.name.split("@")[0] in NODE_COMPONENTS:
+                sections += [
+                    f"-- {component.name} (last {LOG_TAIL_LINES} lines)",
+                    _tail(component.log),
+                ]
     return "\n".join(sections)

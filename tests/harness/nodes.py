@@ -4,7 +4,8 @@ CNI bridge with host-local addresses, and a kubelet, all as processes of the clu
 Every node gets its own containerd (a kubelet garbage-collects whatever its runtime
 shows, so two kubelets must not share one), state and socket directory, kubelet root
 directory and ports, cgroup parent (``/dlo-<cluster>-<node>`` in every cgroup v1
-controller, created here) and bridge with its own pod CIDR (``10.244.<i>.0/24``). The
+controller, created here) and bridge with its own pod CIDR (the ``i``-th /24 of the pod
+network :func:`choose_pod_network` picks, ``10.244.<i>.0/24`` on most hosts). The
 images come from :mod:`tests.harness.images` as OCI archives, imported into each node's
 containerd, so no registry is needed; the sandbox ("pause") image is the base image
 sleeping. What this machine needs that a stock node would not:
@@ -24,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import ipaddress
+import itertools
 import json
 import os
 import shutil
@@ -42,6 +45,79 @@ DNS_SERVICE_IP = "10.0.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_PLUGINS = Path("/usr/lib/cni")
 """Where Debian's containernetworking-plugins installs bridge, host-local, loopback."""
+POD_NETWORK_CANDIDATES = tuple(
+    ipaddress.IPv4Network(network)
+    for network in (
+        *(f"10.{second}.0.0/16" for second in range(244, 256)),
+        *(f"172.{second}.0.0/16" for second in range(16, 32)),
+        "192.168.0.0/16",
+    )
+)
+"""Pod networks to choose from, in order: flannel's default first, then private ranges."""
+NODE_PREFIX = 24
+"""Each node's pod CIDR: one /24 of the pod network (what a stock controller-manager
+allocates), its bridge holding the first address."""
+
+
+class NetworkError(BuildError):
+    """No pod network is free on this host; the message names what occupies them."""
+
+
+def choose_pod_network(
+    occupied: list[ipaddress.IPv4Network], service_cidr: str
+) -> ipaddress.IPv4Network:
+    """The first candidate pod network that overlaps no network the host already has an
+    address or a route in, nor the Service range.
+
+    The nodes' bridges add connected routes for their pod CIDRs; where the host already
+    routes one of them elsewhere (a CI runner that is itself a Pod of a flannel cluster
+    holds an address in 10.244.<n>.0/24), the older route wins, the host's replies to that
+    bridge's Pods leave by the wrong interface and every connection to them ends in "no
+    route to host"."""
+    taken = [*occupied, ipaddress.IPv4Network(service_cidr)]
+    for candidate in POD_NETWORK_CANDIDATES:
+        if not any(candidate.overlaps(network) for network in taken):
+            return candidate
+    blocking = sorted(
+        {str(network) for network in taken if any(map(network.overlaps, POD_NETWORK_CANDIDATES))}
+    )
+    raise NetworkError(
+        f"no pod network is free on this host: each of the {len(POD_NETWORK_CANDIDATES)} "
+        "candidates (10.244-255.0.0/16, 172.16-31.0.0/16, 192.168.0.0/16) overlaps one of "
+        f"{', '.join(blocking)} (the host's addresses and routes, `ip -4 route show table "
+        "all`, and the Service range); free one of them"
+    )
+
+
+def node_pod_cidr(pod_network: ipaddress.IPv4Network, index: int) -> str:
+    """Node ``index``'s pod CIDR: the ``index``-th /24 of ``pod_network``."""
+    return str(next(itertools.islice(pod_network.subnets(new_prefix=NODE_PREFIX), index, None)))
+
+
+def host_networks() -> list[ipaddress.IPv4Network]:
+    """Every IPv4 network this host has an address in or a route to (the default route,
+    broadcast and multicast routes aside), in every routing table, from ``ip -json``."""
+    addresses = json.loads(_ip("-4", "address", "show"))
+    routes = json.loads(_ip("-4", "route", "show", "table", "all"))
+    networks = [
+        ipaddress.IPv4Interface(f"{info['local']}/{info['prefixlen']}").network
+        for link in addresses
+        for info in link.get("addr_info", [])
+        if "local" in info
+    ]
+    for route in routes:
+        destination = route.get("dst", "default")
+        if destination != "default" and route.get("type") not in ("broadcast", "multicast"):
+            networks.append(ipaddress.IPv4Network(destination, strict=False))
+    return networks
+
+
+def _ip(*arguments: str) -> str:
+    command = ["ip", "-json", *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NetworkError(f"`{' '.join(command)}` failed: {result.stderr.strip()}")
+    return result.stdout or "[]"
 
 
 @dataclass(frozen=True)
@@ -53,6 +129,8 @@ class NodePlan:
     directory: Path
     kubelet_port: int
     healthz_port: int
+    pod_cidr: str
+    """The node's pod addresses (:func:`node_pod_cidr`); its bridge holds the first."""
     store: Path
     """containerd's root (images, snapshots): kept across clusters under the cluster cache,
     one per node index, so a worker image of several GB is imported once and the temporary
@@ -75,10 +153,6 @@ class NodePlan:
     @property
     def name(self) -> str:
         return f"dlo-real-{self.index}"
-
-    @property
-    def pod_cidr(self) -> str:
-        return f"10.244.{self.index}.0/24"
 
     @property
     def bridge(self) -> str:
