@@ -301,7 +301,7 @@ def up(
             progress=progress,
         )
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
-        if pod_network:
+        if pod_network is not None:
             state.pod_network = str(pod_network)
             _start_real_nodes(state, launcher, real_nodes, progress)
     except BaseException:

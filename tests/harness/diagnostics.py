@@ -68,7 +68,7 @@ def host_network() -> str:
 
 
 def pod_network(state: ClusterState) -> str:
-    """The pod network, each node's pod CIDR and bridge, and the host's address."""
+    """The pod network, and each node's pod CIDR and bridge."""
     lines = [f"pod network {state.pod_network or '(none recorded)'}"]
     lines += [f"{plan.name}: {plan.pod_cidr} on {plan.bridge}" for plan in state.node_plans()]
     return "\n".join(lines)
