@@ -9,17 +9,17 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.support.generate import ENV, digest
+from tests.support.generate import digest
 from tests.support.runtime_cache import (
     attached,
     cache_cli,
     cache_warm,
     cached_argv,
+    generate_cached,
     hold_lock,
     in_private_mount,
     run_cached,
@@ -239,14 +239,8 @@ def test_a_changed_manifest_is_caught_quarantined_and_rebuilt(
     assert verified.returncode == 1, verified.stderr
     assert json.loads(verified.stdout) == {"verified": 1, "corrupt": [key]}
     assert "Traceback" not in verified.stderr
-    required = subprocess.run(
-        cached_argv(
-            mixed_model, tmp_path / "r.png", root, "--dlo-runtime-cache-skip-load", "required"
-        ),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
+    required = generate_cached(
+        mixed_model, tmp_path / "r.png", root, "--dlo-runtime-cache-skip-load", "required"
     )
     assert required.returncode == 2, required.stderr
     assert "Traceback" not in required.stderr
@@ -434,14 +428,8 @@ def test_required_says_when_the_recorded_entry_was_removed(
 ) -> None:
     root, key = cache_root
     assert cache_cli("rm", "--root", str(root), key).returncode == 0
-    required = subprocess.run(
-        cached_argv(
-            mixed_model, tmp_path / "r.png", root, "--dlo-runtime-cache-skip-load", "required"
-        ),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
+    required = generate_cached(
+        mixed_model, tmp_path / "r.png", root, "--dlo-runtime-cache-skip-load", "required"
     )
     assert required.returncode == 2, required.stderr
     assert f"the entry recorded for this model ({key}) was evicted or removed" in required.stderr

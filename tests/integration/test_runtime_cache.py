@@ -26,6 +26,7 @@ from tests.support.runtime_cache import (
     cache_cli,
     cache_warm,
     cached_argv,
+    generate_cached,
     hold_lock,
     in_private_mount,
     run_cached,
@@ -378,13 +379,7 @@ def test_skip_load_required_refuses_a_cold_node_and_off_never_skips(
 ) -> None:
     root = tmp_path / "cache"
     required = ("--dlo-runtime-cache-skip-load", "required")
-    cold = subprocess.run(
-        cached_argv(mixed_model, tmp_path / "a.png", root, *required),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    cold = generate_cached(mixed_model, tmp_path / "a.png", root, *required)
     assert cold.returncode == 2
     assert "--dlo-runtime-cache-skip-load required: no runtime-cache entry is recorded" in (
         cold.stderr

@@ -29,11 +29,18 @@ def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
     )
 
 
-def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
-    """Generate with the runtime cache; returns the log (stderr)."""
-    result = subprocess.run(
+def generate_cached(
+    model: Path, out: Path, root: Path, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """Generate with the runtime cache, whatever the exit status (for refusals)."""
+    return subprocess.run(
         cached_argv(model, out, root, *flags), env=ENV, capture_output=True, text=True, check=False
     )
+
+
+def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
+    """Generate with the runtime cache, which must succeed; returns the log (stderr)."""
+    result = generate_cached(model, out, root, *flags)
     assert result.returncode == 0, result.stderr
     return result.stderr
 

@@ -188,28 +188,22 @@ def test_numbers_must_be_finite(field: str, value: object) -> None:
     assert "finite" in message
 
 
-@pytest.mark.parametrize("value", [0, -1, -0.5])
-def test_lock_timeout_must_be_positive(value: float) -> None:
-    message = rejected(
-        offload={
-            **NO_ALLGATHER,
-            "dlo_enable_runtime_cache": True,
-            "dlo_runtime_cache_lock_timeout": value,
-        }
-    )
-    assert "--dlo-runtime-cache-lock-timeout must be > 0" in message
-
-
-@pytest.mark.parametrize("value", [0, -1])
-def test_size_budget_must_be_positive(value: float) -> None:
-    message = rejected(
-        offload={
-            **NO_ALLGATHER,
-            "dlo_enable_runtime_cache": True,
-            "dlo_runtime_cache_size_budget_gib": value,
-        }
-    )
-    assert "--dlo-runtime-cache-size-budget-gib must be > 0" in message
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--dlo-runtime-cache-lock-timeout", 0),
+        ("--dlo-runtime-cache-lock-timeout", -1),
+        ("--dlo-runtime-cache-lock-timeout", -0.5),
+        ("--dlo-runtime-cache-size-budget-gib", 0),
+        ("--dlo-runtime-cache-size-budget-gib", -1),
+    ],
+)
+def test_runtime_cache_lock_timeout_and_size_budget_must_be_positive(
+    flag: str, value: float
+) -> None:
+    field = flag.removeprefix("--").replace("-", "_")
+    message = rejected(offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True, field: value})
+    assert f"{flag} must be > 0" in message
 
 
 @pytest.mark.parametrize("mode", ["off", "required"])

@@ -68,6 +68,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    """The worker configuration's flags, one argument group per part (model, parallel,
+    offload), as every command that loads a model takes them."""
+    for prefix, model in _CONFIG_GROUPS.items():
+        _add_model_fields(parser, prefix, model, f"{prefix} options")
+
+
 def _add_model_fields(
     parser: argparse.ArgumentParser, prefix: str, model: type[BaseModel], title: str
 ) -> None:
@@ -392,8 +399,7 @@ def _add_cache_commands(
         help="Build or join the entry for a worker configuration (the flags `serve` gets) "
         "and print the result as JSON.",
     )
-    for prefix, model in _CONFIG_GROUPS.items():
-        _add_model_fields(warm_parser, prefix, model, f"{prefix} options")
+    _add_config_options(warm_parser)
     warm_parser.set_defaults(handler=_command_cache_warm)
     ls_parser = actions.add_parser(
         "ls", parents=[common, root], help="List entries (JSON): size, last use, processes."
@@ -444,8 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="Validate the flags and print the effective configuration as JSON.",
     )
-    for prefix, model in _CONFIG_GROUPS.items():
-        _add_model_fields(config_parser, prefix, model, f"{prefix} options")
+    _add_config_options(config_parser)
     config_parser.set_defaults(handler=_command_config)
 
     demo_parser = commands.add_parser(
@@ -482,8 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Create missing parent directories of --out (default: refuse).",
     )
     _add_model_fields(generate_parser, _REQUEST_PREFIX, GenerationRequest, "request options")
-    for prefix, model in _CONFIG_GROUPS.items():
-        _add_model_fields(generate_parser, prefix, model, f"{prefix} options")
+    _add_config_options(generate_parser)
     generate_parser.set_defaults(handler=_command_generate)
 
     serve_parser = commands.add_parser(
@@ -520,8 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=_positive_int,
             help=f"Image {side} of a request that names none (default: the pipeline's).",
         )
-    for prefix, model in _CONFIG_GROUPS.items():
-        _add_model_fields(serve_parser, prefix, model, f"{prefix} options")
+    _add_config_options(serve_parser)
     serve_parser.set_defaults(handler=_command_serve)
     _add_cache_commands(commands, common)
     launch_parser = commands.add_parser(
