@@ -24,6 +24,9 @@ else
   echo "    skipped: building images needs root or buildah, debootstrap and runc installed"
 fi
 echo "==> pytest"
-# pytest exits 5 when nothing was collected, which fails this script too. The 25 slowest
-# tests are listed at the end: where the test command's time goes.
-pytest --durations=25 "$@"
+# The tiers run side by side in DLO_TEST_WORKERS processes (pytest-xdist; default 3, also on
+# 2 cores: the cluster tier mostly waits on its control planes and kubelets): the cluster
+# tier on one worker, every other module as a unit of its own (tests/conftest.py). pytest
+# exits 5 when nothing was collected, which fails this script too. The 25 slowest tests are
+# listed at the end: where the test command's time goes.
+pytest -n "${DLO_TEST_WORKERS:-3}" --dist loadgroup --durations=25 "$@"

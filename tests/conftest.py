@@ -42,9 +42,21 @@ collect_ignore = [] if _cuda_available() else ["gpu"]
 _GPU_TESTS = Path(__file__).parent / "gpu"
 
 
+_CLUSTER_TESTS = Path(__file__).parent / "cluster"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/gpu carries the ``gpu`` marker, so `pytest -m gpu` runs the
-    accelerator tier alone and `-m "not gpu"` leaves it out on a machine with a GPU."""
+    accelerator tier alone and `-m "not gpu"` leaves it out on a machine with a GPU.
+
+    Each test also carries the ``xdist_group`` that `pytest -n N --dist loadgroup` (the
+    test command) keeps on one worker: the whole cluster tier is one group, since its
+    control planes and real nodes are per-process session fixtures and two real-node
+    clusters must never run at once (they share the nodes' containerd stores); any other
+    module is a group of its own, so its module-scoped fixtures (a written model, a warm
+    cache, a running server) are built once."""
     for item in items:
         if item.path.is_relative_to(_GPU_TESTS):
             item.add_marker(pytest.mark.gpu)
+        group = "cluster" if item.path.is_relative_to(_CLUSTER_TESTS) else item.path.stem
+        item.add_marker(pytest.mark.xdist_group(group))

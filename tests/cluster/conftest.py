@@ -86,13 +86,12 @@ def _cannot_run_real_nodes(reason: str) -> None:
     pytest.skip(reason)
 
 
-_real_node_tests: set[str] = set()
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    _real_node_tests.update(
-        item.nodeid for item in items if "real_cluster" in getattr(item, "fixturenames", ())
-    )
+    """Tests that use the real-node cluster carry the ``real_nodes`` marker: their reports
+    carry it too, also from a worker process (``pytest -n``), for the summary line."""
+    for item in items:
+        if "real_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_nodes)
 
 
 _reported: list[str] = []
@@ -122,7 +121,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     outcomes: dict[str, int] = {}
     for outcome in ("passed", "failed", "error", "skipped"):
         for report in terminalreporter.stats.get(outcome, []):
-            if report.nodeid in _real_node_tests and (
+            if "real_nodes" in report.keywords and (
                 report.when == "call" or outcome in ("error", "skipped")
             ):
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
