@@ -24,9 +24,10 @@ else
   echo "    skipped: building images needs root or buildah, debootstrap and runc installed"
 fi
 echo "==> pytest"
-# The tiers run side by side in DLO_TEST_WORKERS processes (pytest-xdist; default 3, also on
-# 2 cores: the cluster tier mostly waits on its control planes and kubelets): the cluster
-# tier on one worker, every other module as a unit of its own (tests/conftest.py). pytest
-# exits 5 when nothing was collected, which fails this script too. The 25 slowest tests are
-# listed at the end: where the test command's time goes.
-pytest -n "${DLO_TEST_WORKERS:-3}" --dist loadgroup --durations=25 "$@"
+# DLO_TEST_WORKERS=3 runs the tiers side by side in 3 processes (pytest-xdist; the cluster
+# tier on one of them, every other module as a unit of its own, see tests/conftest.py):
+# pytest took 20 min instead of 26-31 on 2 cores, but the extra load exposes a race in
+# stopping a DP=2 engine while its ranks load (test_serve.py), so the default stays one
+# process until that is fixed. pytest exits 5 when nothing was collected, which fails this
+# script too. The 25 slowest tests are listed at the end: where the test command's time goes.
+pytest -n "${DLO_TEST_WORKERS:-0}" --durations=25 "$@"

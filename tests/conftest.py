@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,21 +43,44 @@ collect_ignore = [] if _cuda_available() else ["gpu"]
 _GPU_TESTS = Path(__file__).parent / "gpu"
 
 
-_CLUSTER_TESTS = Path(__file__).parent / "cluster"
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test under tests/gpu carries the ``gpu`` marker, so `pytest -m gpu` runs the
-    accelerator tier alone and `-m "not gpu"` leaves it out on a machine with a GPU.
-
-    Each test also carries the ``xdist_group`` that `pytest -n N --dist loadgroup` (the
-    test command) keeps on one worker: the whole cluster tier is one group, since its
-    control planes and real nodes are per-process session fixtures and two real-node
-    clusters must never run at once (they share the nodes' containerd stores); any other
-    module is a group of its own, so its module-scoped fixtures (a written model, a warm
-    cache, a running server) are built once."""
+    accelerator tier alone and `-m "not gpu"` leaves it out on a machine with a GPU."""
     for item in items:
         if item.path.is_relative_to(_GPU_TESTS):
             item.add_marker(pytest.mark.gpu)
-        group = "cluster" if item.path.is_relative_to(_CLUSTER_TESTS) else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How `pytest -n N` (the test command) shares the tests among its workers: the whole
+    cluster tier on one worker, since its control planes and real nodes are per-process
+    session fixtures and two real-node clusters must never run at once (they share the
+    nodes' containerd stores); any other module is a unit of its own, so its
+    module-scoped fixtures (a written model, a warm cache, a running server) are built
+    once. (``xdist_group`` markers would say the same, but pytest 9 ignores the node ids
+    pytest-xdist 3.8 rewrites for them.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/cluster" if path.startswith("tests/cluster/") else path
+
+    return TierScheduling(config, log)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line saying how many tests of the real-node tier ran, so a log shows it ran
+    (here, not in tests/cluster/conftest.py: under `pytest -n` only this file is loaded in
+    the process that prints the summary; the ``real_nodes`` marker travels in the reports)."""
+    outcomes: dict[str, int] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if "real_nodes" in report.keywords and (
+                report.when == "call" or outcome in ("error", "skipped")
+            ):
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    if outcomes:
+        counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
+        terminalreporter.write_line(f"real-node tier: {counts}")

@@ -116,20 +116,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     return report
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line saying how many tests of the real-node tier ran, so a log shows it ran."""
-    outcomes: dict[str, int] = {}
-    for outcome in ("passed", "failed", "error", "skipped"):
-        for report in terminalreporter.stats.get(outcome, []):
-            if "real_nodes" in report.keywords and (
-                report.when == "call" or outcome in ("error", "skipped")
-            ):
-                outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    if outcomes:
-        counts = ", ".join(f"{count} {outcome}" for outcome, count in sorted(outcomes.items()))
-        terminalreporter.write_line(f"real-node tier: {counts}")
-
-
 @pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     """Two real nodes (:mod:`tests.harness.nodes`) and no fake ones, shared by the modules
