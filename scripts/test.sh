@@ -26,7 +26,7 @@ fi
 echo "==> pytest"
 # DLO_TEST_WORKERS=3 runs the tiers side by side in 3 processes (pytest-xdist; the cluster
 # tier on one of them, every other module as a unit of its own, see tests/conftest.py):
-# pytest took 20 min instead of 26-31 on 2 cores, but the extra load exposes a race in
+# pytest took 20 min instead of 25-32 on 2 cores, but the extra load exposes a race in
 # stopping a DP=2 engine while its ranks load (test_serve.py), so the default stays one
 # process until that is fixed. pytest exits 5 when nothing was collected, which fails this
 # script too. The 25 slowest tests are listed at the end: where the test command's time goes.
