@@ -8,6 +8,7 @@ finish the request in flight before disabling DLO and destroying the process gro
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -19,7 +20,13 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.launch import launch_command, rank_logs, torchrun_command, wait_for_ranks
+from tests.support.launch import (
+    launch_command,
+    rank_logs,
+    torchrun_arguments,
+    torchrun_command,
+    wait_for_ranks,
+)
 from tests.support.ports import free_port
 from tests.support.serving import ENV, Server, digest, serve_command
 
@@ -240,6 +247,41 @@ def test_an_api_key_guards_generation_and_leaves_health_open(demo_model_dir: Pat
         assert 'dlo_requests_total{outcome="rejected_unauthorized"} 3.0' in metrics
     finally:
         server.stop()
+
+
+def test_a_stop_that_torchrun_loses_track_of_still_stops_every_rank(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """A SIGTERM landing after torchrun's last fork and before it records the ranks made it
+    shut down none of them: ``launch`` said both ranks ended and exited, while they went on
+    loading and serving, holding the port and the Pod's log pipe."""
+    pids_file, log = tmp_path / "rank-pids", tmp_path / "launch.log"
+    flags = ("--data-parallel-size", "2")
+    command = [
+        sys.executable,
+        "-m",
+        "tests.support.signalled_launch",
+        *torchrun_arguments(serve_command(demo_model_dir, free_port(), *flags)),
+    ]
+    with log.open("w") as sink:  # a file, not a pipe: leftover ranks would hold a pipe open
+        launcher = subprocess.run(
+            command,
+            check=False,
+            env={**ENV, "DLO_TEST_RANK_PIDS": str(pids_file)},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+        )
+    output = log.read_text()
+    pids = [int(pid) for pid in pids_file.read_text().split()]
+    running = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    for pid in running:  # leave no process behind when the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert len(pids) == 2
+    assert not running, f"ranks {running} outlived the launcher:\n{output}"
+    assert "torchrun ended with ranks still running" in output
+    assert launcher.returncode == 128 + signal.SIGTERM, output
+    assert "Traceback" not in output
 
 
 def test_a_drained_engine_exits_0_and_a_stop_while_loading_names_the_ranks(

@@ -27,6 +27,11 @@ def torchrun_command(arguments: list[str], log_dir: Path, processes: int = 2) ->
     ]
 
 
+def torchrun_arguments(arguments: list[str], processes: int = 2) -> list[str]:
+    """torchrun's arguments for ``dlo-worker <arguments>`` as ``processes`` local ranks."""
+    return ["--standalone", "--nproc-per-node", str(processes), "-m", "dlo_worker", *arguments]
+
+
 def launch_command(arguments: list[str], processes: int = 2) -> list[str]:
     """``dlo-worker <arguments>`` as ``processes`` ranks under ``dlo-worker launch``, the
     command a worker Pod runs."""
@@ -36,12 +41,7 @@ def launch_command(arguments: list[str], processes: int = 2) -> list[str]:
         "dlo_worker",
         "launch",
         "--",
-        "--standalone",
-        "--nproc-per-node",
-        str(processes),
-        "-m",
-        "dlo_worker",
-        *arguments,
+        *torchrun_arguments(arguments, processes),
     ]
 
 

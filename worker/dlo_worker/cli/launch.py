@@ -8,10 +8,17 @@ drain, so they report how it ended. Each rank's ``serve`` writes its exit status
 ``launch`` exits 0 when every local rank recorded 0. Otherwise it exits 128 + the signal
 with one line naming the ranks that did not finish. A rank that fails on its own ends the
 launch with exit 1 and one line per failed rank.
+
+torchrun can lose track of its ranks: a SIGTERM that lands while it is still starting them
+(after the last fork, before it records the handles) makes it shut down none of them, and
+the ranks would run on after the launcher exited, still holding the port and the Pod's
+logs. So ``launch`` stops every child still running when torchrun returns, as torchrun
+would have (SIGTERM, then SIGKILL after the same grace), before it reads their exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -21,6 +28,8 @@ from dlo_worker.process.termination import write_termination_message
 
 EXIT_DIR_ENV = "DLO_EXIT_DIR"
 LOCAL_RANK_ENV = "LOCAL_RANK"
+STOP_GRACE_SECONDS = 30
+"""How long a rank may drain after SIGTERM before SIGKILL: torchrun's own grace."""
 
 
 def record_exit(status: int) -> None:
@@ -44,6 +53,29 @@ def unfinished_ranks(directory: Path, local_ranks: int) -> list[str]:
     return problems
 
 
+def stop_leftover_ranks(grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Stop the children of this process that are still running (see the module docstring)."""
+    import psutil
+
+    leftovers = psutil.Process().children()
+    if not leftovers:
+        return
+    pids = ", ".join(str(process.pid) for process in leftovers)
+    print(
+        f"dlo-worker launch: warning: torchrun ended with ranks still running (pids {pids}); "
+        "stopping them",
+        file=sys.stderr,
+    )
+    for process in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(leftovers, timeout=grace_seconds)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace_seconds)
+
+
 def _report(lines: list[str]) -> None:
     """Print each line; the first is the termination message unless a rank left its own."""
     for line in lines:
@@ -62,7 +94,10 @@ def launch(torchrun_arguments: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="dlo-exit-") as directory:
         os.environ[EXIT_DIR_ENV] = directory
         try:
-            main(torchrun_arguments)
+            try:
+                main(torchrun_arguments)
+            finally:
+                stop_leftover_ranks()
         except SignalException as error:
             problems = unfinished_ranks(Path(directory), local_ranks)
             if not problems:
