@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import pytest
 
 from tests.support.checkpoints import add_foreign_tensor, copy_pipeline
 from tests.support.generate import ENV, digest, generate_argv
-from tests.support.runtime_cache import SEED
+from tests.support.runtime_cache import SEED, cache_warm
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +30,22 @@ def resident_digest(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory)
     )
     assert result.returncode == 0, result.stderr
     return digest(out)
+
+
+@pytest.fixture(scope="session")
+def warm_root(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A cache root holding one entry built by ``cache warm`` (copy it before changing it)."""
+    root = tmp_path_factory.mktemp("warm") / "cache"
+    warm = cache_warm(mixed_model, root)
+    assert warm.returncode == 0, warm.stderr
+    return root, json.loads(warm.stdout)["key"]
+
+
+@pytest.fixture
+def cache_root(warm_root: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
+    """A private copy of :func:`warm_root` (modification times kept, as the manifest
+    records them)."""
+    root, key = warm_root
+    copy = tmp_path / "cache"
+    shutil.copytree(root, copy, symlinks=True)
+    return copy, key

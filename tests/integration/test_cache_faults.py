@@ -17,7 +17,6 @@ from tests.support.generate import digest
 from tests.support.runtime_cache import (
     attached,
     cache_cli,
-    cache_warm,
     cached_argv,
     generate_cached,
     hold_lock,
@@ -26,25 +25,6 @@ from tests.support.runtime_cache import (
 )
 
 ROOT_NEEDED = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-
-
-@pytest.fixture(scope="session")
-def warm_root(mixed_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A cache root holding one entry built by ``cache warm`` (copy it before changing it)."""
-    root = tmp_path_factory.mktemp("warm") / "cache"
-    warm = cache_warm(mixed_model, root)
-    assert warm.returncode == 0, warm.stderr
-    return root, json.loads(warm.stdout)["key"]
-
-
-@pytest.fixture
-def cache_root(warm_root: tuple[Path, str], tmp_path: Path) -> tuple[Path, str]:
-    """A private copy of :func:`warm_root` (modification times kept, as the manifest
-    records them)."""
-    root, key = warm_root
-    copy = tmp_path / "cache"
-    shutil.copytree(root, copy, symlinks=True)
-    return copy, key
 
 
 def tree_digest(directory: Path) -> str:

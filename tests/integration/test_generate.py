@@ -43,10 +43,22 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_same_arguments_write_identical_png_bytes(demo_model_dir: Path, tmp_path: Path) -> None:
-    first, second = tmp_path / "first.png", tmp_path / "second.png"
-    for out in (first, second):
-        result = generate(demo_model_dir, out)
+@pytest.fixture(scope="module")
+def default_run(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One ``generate`` with the default arguments (several tests read its image and log)."""
+    out = tmp_path_factory.mktemp("default") / "image.png"
+    return generate(demo_model_dir, out), out
+
+
+def test_same_arguments_write_identical_png_bytes(
+    demo_model_dir: Path, default_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+) -> None:
+    first_run, first = default_run
+    second = tmp_path / "second.png"
+    second_run = generate(demo_model_dir, second)
+    for result, out in ((first_run, first), (second_run, second)):
         assert result.returncode == 0, result.stderr
         assert f"image written to {out}" in result.stdout
     assert digest(first) == digest(second)
@@ -55,15 +67,20 @@ def test_same_arguments_write_identical_png_bytes(demo_model_dir: Path, tmp_path
         assert image.size == (128, 128)
 
 
-def test_another_seed_gives_another_image(demo_model_dir: Path, tmp_path: Path) -> None:
-    base, other = tmp_path / "base.png", tmp_path / "other.png"
-    assert generate(demo_model_dir, base).returncode == 0
+def test_another_seed_gives_another_image(
+    demo_model_dir: Path, default_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+) -> None:
+    result, base = default_run
+    other = tmp_path / "other.png"
+    assert result.returncode == 0
     assert generate(demo_model_dir, other, "--seed", "8").returncode == 0
     assert digest(base) != digest(other)
 
 
-def test_shows_progress_for_loading_and_steps(demo_model_dir: Path, tmp_path: Path) -> None:
-    result = generate(demo_model_dir, tmp_path / "image.png")
+def test_shows_progress_for_loading_and_steps(
+    default_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    result, _ = default_run
     assert result.returncode == 0
     assert "Loading pipeline components" in result.stderr
     assert "4/4" in result.stderr

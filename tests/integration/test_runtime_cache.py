@@ -69,12 +69,11 @@ def test_four_processes_on_one_root_build_once_and_all_write_the_resident_bytes(
 
 
 def test_a_packed_block_is_one_flat_tensor_per_dtype_readable_by_safetensors(
-    mixed_model: Path, tmp_path: Path
+    cache_root: tuple[Path, str],
 ) -> None:
     from safetensors import safe_open
 
-    root = tmp_path / "cache"
-    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    root, key = cache_root
     manifest = json.loads((root / "entries" / key / "manifest.json").read_text())
     (component,) = manifest["components"].values()
     with safe_open(str(root / "entries" / key / "blocks-00000.safetensors"), "pt") as handle:
@@ -96,14 +95,15 @@ def test_a_packed_block_is_one_flat_tensor_per_dtype_readable_by_safetensors(
 def test_a_corrupt_block_file_is_quarantined_and_rebuilt(
     mixed_model: Path,
     resident_digest: str,
+    cache_root: tuple[Path, str],
     tmp_path: Path,
+    *,
     keep_mtime: bool,
     flags: tuple[str, ...],
 ) -> None:
     """Caught by the modification time (rewritten), by re-hashing the files (a skip-load
     start), or by comparing the mapped bytes with the loaded tensors (a join)."""
-    root = tmp_path / "cache"
-    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    root, key = cache_root
     blocks = root / "entries" / key / "blocks-00000.safetensors"
     status = blocks.stat()
     data = bytearray(blocks.read_bytes())
@@ -119,10 +119,9 @@ def test_a_corrupt_block_file_is_quarantined_and_rebuilt(
 
 
 def test_a_truncated_manifest_is_quarantined_and_rebuilt(
-    mixed_model: Path, resident_digest: str, tmp_path: Path
+    mixed_model: Path, resident_digest: str, cache_root: tuple[Path, str], tmp_path: Path
 ) -> None:
-    root = tmp_path / "cache"
-    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    root, key = cache_root
     manifest = root / "entries" / key / "manifest.json"
     manifest.write_text(manifest.read_text()[:40])
     log = run_cached(mixed_model, tmp_path / "b.png", root)
@@ -131,10 +130,9 @@ def test_a_truncated_manifest_is_quarantined_and_rebuilt(
 
 
 def test_a_held_build_lock_falls_back_to_the_ordinary_tensors_after_the_timeout(
-    mixed_model: Path, resident_digest: str, tmp_path: Path
+    mixed_model: Path, resident_digest: str, cache_root: tuple[Path, str], tmp_path: Path
 ) -> None:
-    root = tmp_path / "cache"
-    key, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    root, key = cache_root
     entry = root / "entries" / key
     for path in entry.iterdir():
         path.unlink()
@@ -259,10 +257,13 @@ def _entry_bytes(entry: Path) -> int:
 
 @pytest.mark.parametrize("first_in_use", [False, True], ids=["idle", "in-use"])
 def test_the_size_budget_evicts_the_least_recently_used_entry_no_process_maps(
-    mixed_model: Path, resident_digest: str, tmp_path: Path, first_in_use: bool
+    mixed_model: Path,
+    resident_digest: str,
+    cache_root: tuple[Path, str],
+    tmp_path: Path,
+    first_in_use: bool,
 ) -> None:
-    root = tmp_path / "cache"
-    first, _ = attached(run_cached(mixed_model, tmp_path / "a.png", root))
+    root, first = cache_root
     # Room for the float32 entry and a bit more: not for the bfloat16 one beside it.
     budget = f"{_entry_bytes(root / 'entries' / first) * 1.2 / 2**30:.9f}"
     flags = ("--dlo-runtime-cache-size-budget-gib", budget)
