@@ -24,10 +24,9 @@ else
   echo "    skipped: building images needs root or buildah, debootstrap and runc installed"
 fi
 echo "==> pytest"
-# DLO_TEST_WORKERS=3 runs the tiers side by side in 3 processes (pytest-xdist; the cluster
-# tier on one of them, every other module as a unit of its own, see tests/conftest.py):
-# pytest took 20 min instead of 25-32 on 2 cores, but the extra load exposes a race in
-# stopping a DP=2 engine while its ranks load (test_serve.py), so the default stays one
-# process until that is fixed. pytest exits 5 when nothing was collected, which fails this
-# script too. The 25 slowest tests are listed at the end: where the test command's time goes.
-pytest -n "${DLO_TEST_WORKERS:-0}" --durations=25 "$@"
+# pytest runs in DLO_TEST_WORKERS processes (pytest-xdist; 3 by default, 0 runs it in this
+# process): the control-plane tests of tests/cluster on one worker, the real-node tier on
+# another, every other module as a unit of its own (see tests/conftest.py). pytest exits 5
+# when nothing was collected, which fails this script too. The 25 slowest tests are listed
+# at the end: where the test command's time goes.
+pytest -n "${DLO_TEST_WORKERS:-3}" --durations=25 "$@"

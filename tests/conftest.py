@@ -53,19 +53,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """How `pytest -n N` (the test command) shares the tests among its workers: the whole
-    cluster tier on one worker, since its control planes and real nodes are per-process
-    session fixtures and two real-node clusters must never run at once (they share the
-    nodes' containerd stores); any other module is a unit of its own, so its
-    module-scoped fixtures (a written model, a warm cache, a running server) are built
-    once. (``xdist_group`` markers would say the same, but pytest 9 ignores the node ids
-    pytest-xdist 3.8 rewrites for them.)"""
+    """How `pytest -n N` (the test command) shares the tests among its workers. The
+    control-plane tests of tests/cluster share one worker, and the real-node tier
+    (tests/cluster/real_nodes) another: their clusters are per-process session fixtures, and
+    two real-node clusters must never run at once (they share the nodes' containerd
+    stores). Any other module is a unit of its own, so its module-scoped fixtures (a
+    written model, a warm cache, a running server) are built once. (``xdist_group``
+    markers would say the same, but pytest 9 ignores the node ids pytest-xdist 3.8
+    rewrites for them.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/cluster" if path.startswith("tests/cluster/") else path
+            for tier in ("tests/cluster/real_nodes/", "tests/cluster/"):
+                if path.startswith(tier):
+                    return tier
+            return path
 
     return TierScheduling(config, log)
 
