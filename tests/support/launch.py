@@ -8,28 +8,23 @@ import time
 from pathlib import Path
 
 
+def torchrun_arguments(arguments: list[str], processes: int = 2) -> list[str]:
+    """torchrun's arguments for ``dlo-worker <arguments>`` as ``processes`` local ranks."""
+    return ["--standalone", "--nproc-per-node", str(processes), "-m", "dlo_worker", *arguments]
+
+
 def torchrun_command(arguments: list[str], log_dir: Path, processes: int = 2) -> list[str]:
     """``dlo-worker <arguments>`` as ``processes`` torchrun ranks logging under ``log_dir``."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(processes),
         "--log-dir",
         str(log_dir),
         "--redirects",
         "3",
-        "-m",
-        "dlo_worker",
-        *arguments,
+        *torchrun_arguments(arguments, processes),
     ]
-
-
-def torchrun_arguments(arguments: list[str], processes: int = 2) -> list[str]:
-    """torchrun's arguments for ``dlo-worker <arguments>`` as ``processes`` local ranks."""
-    return ["--standalone", "--nproc-per-node", str(processes), "-m", "dlo_worker", *arguments]
 
 
 def launch_command(arguments: list[str], processes: int = 2) -> list[str]:
