@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from dlo_worker.config import DType, Quantization, SkipLoad
+from dlo_worker.config import CompileMode, DType, Quantization, SkipLoad
 
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
@@ -212,6 +212,21 @@ class Hsdp(_Api):
     enabled: bool = Field(default=False, description="Shard over groups of shardSize ranks.")
     shard_size: int = Field(default=-1, ge=-1, description="-1 = world size / replicate size.")
     replicate_size: int = Field(default=1, ge=1, description="Groups holding a full copy.")
+
+
+class Compile(_Api):
+    """torch.compile of each DiT's repeated blocks (the worker's ``--compile``)."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Compile each DiT's blocks, one graph per block, resident or streamed "
+        "alike; each engine's first step compiles.",
+    )
+    mode: CompileMode = Field(
+        default=CompileMode.DEFAULT,
+        description="torch.compile mode: default, max-autotune-no-cudagraphs, or "
+        "reduce-overhead (CUDA graphs; not with offload in this release).",
+    )
 
 
 class Parallelism(_Api):
@@ -481,6 +496,7 @@ class DiffusionDeploymentSpec(_Api):
         default=Quantization.NONE, description="Weight quantization of the streamed DiT blocks."
     )
     offload: Offload = Field(default=Offload(), description="Distributed layerwise offload.")
+    compile: Compile = Field(default=Compile(), description="Compiled DiT blocks.")
     resources: Resources = Field(default=Resources(), description="CPU, memory and disk per Pod.")
     shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
     scheduling: Scheduling = Field(default=Scheduling(), description="Where worker Pods run.")

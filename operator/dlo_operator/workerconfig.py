@@ -65,6 +65,8 @@ CRD_FIELDS: dict[str, CrdField] = {
     "dtype": CrdField("dtype", lambda spec: spec.dtype),
     "device": CrdField("accelerator", _device),
     "quantization": CrdField("quantization", lambda spec: spec.quantization),
+    "compile": CrdField("compile.enabled", lambda spec: spec.compile.enabled),
+    "compile_mode": CrdField("compile.mode", lambda spec: spec.compile.mode),
     "data_parallel_size": CrdField("parallelism.data", lambda spec: spec.parallelism.data),
     "sequence_parallel_size": CrdField(
         "parallelism.sequence", lambda spec: spec.parallelism.sequence

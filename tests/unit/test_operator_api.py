@@ -16,7 +16,7 @@ from dlo_operator.crd import (
     render_yaml,
 )
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
-from dlo_worker.config import TransferMode
+from dlo_worker.config import TransferMode, to_flags
 from tests.support.deployments import deployment_spec
 
 CRD_FILE = Path(__file__).parents[2] / "crds" / "diffusiondeployments.dlo.dev.yaml"
@@ -201,3 +201,15 @@ def test_every_crd_field_of_the_mapping_exists_in_the_crd() -> None:
         if not resolves(DiffusionDeploymentSpec, field.path.split("."))
     ]
     assert missing == []
+
+
+def test_spec_compile_reaches_the_worker_and_its_refusals_read_in_crd_terms() -> None:
+    config = worker_config(spec(compile={"enabled": True, "mode": "max-autotune-no-cudagraphs"}))
+    assert config.effective().compile == "max-autotune-no-cudagraphs"
+    assert "--compile" in to_flags(config)
+    with pytest.raises(
+        InvalidSpecError, match=r"^compile\.mode max-autotune-no-cudagraphs requires compile\."
+    ):
+        validate(spec(compile={"mode": "max-autotune-no-cudagraphs"}))
+    with pytest.raises(InvalidSpecError, match="CUDA graphs over DLO's two slots"):
+        validate(spec(compile={"enabled": True, "mode": "reduce-overhead"}))

@@ -42,6 +42,7 @@ from dlo_worker.config.schema import (
     build_config,
 )
 from dlo_worker.config.values import (
+    CompileMode,
     DType,
     HostBacking,
     OffloadPolicy,
@@ -54,6 +55,7 @@ from dlo_worker.config.values import (
 __all__ = [
     "DEFAULT_RUNTIME_CACHE_LOCK_TIMEOUT_S",
     "NEGATIVE_FLAGS",
+    "CompileMode",
     "ConfigError",
     "DType",
     "EffectiveConfig",

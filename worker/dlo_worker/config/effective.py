@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from dlo_worker.config.flags import flag_for
 from dlo_worker.config.values import (
+    CompileMode,
     HostBacking,
     OffloadPolicy,
     Options,
@@ -34,6 +35,8 @@ class EffectiveConfig(Options):
     host_backing_candidates: list[HostBacking]
     """Host backings the loader may choose, most preferred first."""
     world_size: int
+    compile: CompileMode | None
+    """The mode each DiT's repeated blocks are compiled with (``None``: eager)."""
     warnings: list[str]
 
 
@@ -105,6 +108,7 @@ def resolve(config: WorkerConfig) -> EffectiveConfig:
         dlo_resident_layers=offload.dlo_resident_layers if policy == OffloadPolicy.DLO else 0,
         host_backing_candidates=_host_backing_candidates(config),
         world_size=config.parallel.world_size,
+        compile=config.model.compile_mode if config.model.compile else None,
         warnings=warnings,
     )
 

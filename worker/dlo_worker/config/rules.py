@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from dlo_worker.config.effective import dlo_sharding_group
 from dlo_worker.config.flags import NEGATIVE_FLAGS, flag_for
-from dlo_worker.config.values import OffloadPolicy, Quantization, SkipLoad
+from dlo_worker.config.values import CompileMode, OffloadPolicy, Quantization, SkipLoad
 
 if TYPE_CHECKING:
     from dlo_worker.config.schema import OffloadOptions, ParallelOptions, WorkerConfig
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def combination_errors(config: WorkerConfig) -> list[str]:
     """Every violated compatibility rule, each naming the options involved and the fix."""
     parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
-    errors = _hsdp_errors(parallel)
+    errors = _hsdp_errors(parallel) + _compile_errors(config)
     if not offload.enable_distributed_layerwise_offload:
         errors += _dlo_options_without_dlo(offload)
         if offload.enable_cpu_offload and offload.enable_layerwise_offload:
@@ -114,6 +114,22 @@ def _allgather_errors(config: WorkerConfig) -> list[str]:
     return errors
 
 
+def _compile_errors(config: WorkerConfig) -> list[str]:
+    model, offload = config.model, config.offload
+    if not model.compile:
+        if model.compile_mode != CompileMode.DEFAULT:
+            return [f"--compile-mode {model.compile_mode} requires --compile; add it"]
+        return []
+    if offload.enable_layerwise_offload and not offload.enable_distributed_layerwise_offload:
+        return [
+            "--compile with --enable-layerwise-offload: diffusers' group offloading loads "
+            "weights in hooks torch.compile cannot trace, so a block is never one graph; use "
+            "--enable-distributed-layerwise-offload, whose hooks stay outside the compiled "
+            "blocks, or drop --compile"
+        ]
+    return []
+
+
 def _hsdp_errors(parallel: ParallelOptions) -> list[str]:
     if not parallel.use_hsdp:
         if parallel.hsdp_shard_size != -1 or parallel.hsdp_replicate_size != 1:
@@ -192,6 +208,12 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             "--quantization fp8 is not run under diffusers' offload modes by this worker "
             "release; stream the FP8 weights with --enable-distributed-layerwise-offload, or "
             "run resident"
+        )
+    if config.model.compile_mode == CompileMode.REDUCE_OVERHEAD and policy == OffloadPolicy.DLO:
+        errors.append(
+            "--compile-mode reduce-overhead with --enable-distributed-layerwise-offload: CUDA "
+            "graphs over DLO's two slots are not implemented by this worker release; use "
+            "--compile-mode default or max-autotune-no-cudagraphs"
         )
     parallel = config.parallel
     if parallel.sequence_parallel_size > 1 and policy in (

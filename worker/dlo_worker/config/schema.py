@@ -14,6 +14,7 @@ from dlo_worker.config.effective import EffectiveConfig, resolve
 from dlo_worker.config.flags import describe_validation_error, flag_for
 from dlo_worker.config.rules import combination_errors
 from dlo_worker.config.values import (
+    CompileMode,
     DType,
     Options,
     Quantization,
@@ -43,6 +44,16 @@ class ModelOptions(Options):
     device: str = Field(default="auto", description="auto, cpu, cuda or cuda:N.")
     quantization: Quantization = Field(
         default=Quantization.NONE, description="Online weight quantization method."
+    )
+    compile: bool = Field(
+        default=False,
+        description="Compile each DiT's repeated blocks (torch.compile, fullgraph, one graph "
+        "per block), resident or streamed by DLO alike; the first step compiles.",
+    )
+    compile_mode: CompileMode = Field(
+        default=CompileMode.DEFAULT,
+        description="torch.compile mode of --compile: default, max-autotune-no-cudagraphs "
+        "or reduce-overhead (CUDA graphs; resident only).",
     )
 
     @field_validator("device")

@@ -41,6 +41,22 @@ class Quantization(StrEnum):
     NF4 = "nf4"
 
 
+class CompileMode(StrEnum):
+    """``torch.compile``'s mode for ``--compile`` (docs/compile.md says what each costs)."""
+
+    DEFAULT = "default"
+    """Inductor's kernels, no CUDA graphs: the shortest compile."""
+    MAX_AUTOTUNE_NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
+    """Benchmarks kernel choices (matmul templates) while compiling: a longer first step."""
+    REDUCE_OVERHEAD = "reduce-overhead"
+    """CUDA graphs over the compiled blocks (resident models only in this release)."""
+
+    @property
+    def torch_mode(self) -> str | None:
+        """The value of ``torch.compile(mode=...)``."""
+        return None if self is CompileMode.DEFAULT else self.value
+
+
 class OffloadPolicy(StrEnum):
     """Which offload strategy is in effect after DLO takes priority."""
 

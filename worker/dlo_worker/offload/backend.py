@@ -48,8 +48,9 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
-from dlo_worker.offload import ownership
+from dlo_worker.offload import compiling, ownership
 from dlo_worker.offload.block import StreamedBlock
+from dlo_worker.offload.compiling import BlockCompilation
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.errors import OffloadSetupError, UnsupportedHostBackingError
 from dlo_worker.offload.feeds.arena import ARENA, HostArena
@@ -61,7 +62,7 @@ from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host_weights import HostWeights, HostWeightsError
 from dlo_worker.offload.layout import BlockLayout, slot_capacity
 from dlo_worker.offload.params import modules_of, move_module_except, release_freed_host_memory
-from dlo_worker.offload.plan import OffloadPlan, discover
+from dlo_worker.offload.plan import OffloadPlan, discover, dit_modules
 from dlo_worker.offload.schedule import Schedule
 from dlo_worker.offload.setup import StreamSetup, choose_resident
 from dlo_worker.offload.slots import SlotPair, TransferCounters
@@ -94,6 +95,7 @@ class Enabled:
     arena: HostArena
     slots: SlotPair
     hooks: BlockHooks
+    compilation: BlockCompilation
     staging: HostStaging | StagingRing | None
     """Only with mapped blocks that are not registered with the driver."""
     registered: RegisteredRanges | None
@@ -160,10 +162,15 @@ class DistributedLayerwiseOffloadBackend:
                 "these host weights were already consumed and closed; load the model again"
             )
         started = time.perf_counter()
+        # Before discovery, which a compiled DiT's wrapper would mislead.
+        compiling.check_not_compiled(dit_modules(model_or_pipeline))
         plan = discover(model_or_pipeline, self.config.block_paths)
         setup = StreamSetup(self.config, self.device, self.host_weights, self._shards, self._rank)
         setup.check_plan_covers(plan)
         ownership.check_not_taken(plan, self)
+        compiling.check_not_compiled(
+            (f"{dit.name}.{name}", block) for dit in plan.dits for name, block in dit.blocks
+        )
         self._counters = TransferCounters()
         self._registration = "none"
         self._staging_kind = "none"
@@ -257,6 +264,9 @@ class DistributedLayerwiseOffloadBackend:
                     (DIRECT if registered is not None else staging) if block.mapped else ARENA
                 )
             hooks = self._hook_up(plan, blocks, slots, schedule, releases)
+            compilation = BlockCompilation()
+            releases.callback(compilation.remove)
+            compilation.install(blocks, {id(dit.module): dit.module for dit in plan.dits})
             return Enabled(
                 plan=plan,
                 blocks=blocks,
@@ -265,6 +275,7 @@ class DistributedLayerwiseOffloadBackend:
                 arena=arena,
                 slots=slots,
                 hooks=hooks,
+                compilation=compilation,
                 staging=staging,
                 registered=registered,
                 releases=releases.pop_all(),
@@ -403,6 +414,8 @@ class DistributedLayerwiseOffloadBackend:
             host_page_locked=enabled is not None and enabled.arena.page_locked,
             device_slot_bytes=enabled.slots.device_bytes if enabled is not None else 0,
             largest_block_bytes=max((b.layout.nbytes for b in blocks), default=0),
+            compiled_blocks=enabled.compilation.compiled_blocks if enabled is not None else 0,
+            recompiles=enabled.compilation.recompiles if enabled is not None else 0,
         )
 
     def _pack_gbps(self, staging: HostStaging | StagingRing | None) -> float:

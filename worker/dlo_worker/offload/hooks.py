@@ -7,7 +7,8 @@ DiT forward), starts loading the predicted successor into the other slot, makes 
 compute stream wait for ``i``'s ready event and repoints ``i``'s parameters into the
 slot. After it runs (also when its forward raised), the slot is released and the
 parameters go back to placeholders. The DiT hooks mark where a forward starts and ends,
-so the schedule can learn the order blocks really run in.
+so the schedule can learn the order blocks really run in. Every hook runs eagerly, outside
+any compiled graph (:mod:`~dlo_worker.offload.compiling`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo_worker.offload.block import StreamedBlock
+from dlo_worker.offload.compiling import eager
 from dlo_worker.offload.schedule import Prediction, Schedule
 from dlo_worker.offload.slots import SlotPair
 
@@ -42,22 +44,28 @@ class BlockHooks:
 
     def install(self, blocks: list[StreamedBlock], dits: dict[int, nn.Module]) -> None:
         for block in blocks:
-            self._handles.append(block.module.register_forward_pre_hook(self._pre_hook(block)))
             self._handles.append(
-                block.module.register_forward_hook(self._post_hook(block), always_call=True)
+                block.module.register_forward_pre_hook(eager(self._pre_hook(block)))
+            )
+            self._handles.append(
+                block.module.register_forward_hook(eager(self._post_hook(block)), always_call=True)
             )
         for key, dit in dits.items():
             self._handles.append(
                 dit.register_forward_pre_hook(
-                    lambda _module, _args, key=key: self._prefetch(
-                        self._schedule.forward_started(key)
+                    eager(
+                        lambda _module, _args, key=key: self._prefetch(
+                            self._schedule.forward_started(key)
+                        )
                     )
                 )
             )
             self._handles.append(
                 dit.register_forward_hook(
-                    lambda _module, _args, _output, key=key: self._prefetch(
-                        self._schedule.forward_finished(key)
+                    eager(
+                        lambda _module, _args, _output, key=key: self._prefetch(
+                            self._schedule.forward_finished(key)
+                        )
                     ),
                     always_call=True,
                 )

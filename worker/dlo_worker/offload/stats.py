@@ -47,3 +47,8 @@ class OffloadStats:
     host_page_locked: bool
     device_slot_bytes: int
     largest_block_bytes: int
+    compiled_blocks: int
+    """Streamed blocks whose ``forward`` is compiled (``block.compile()``, ``--compile``)."""
+    recompiles: int
+    """Graphs Dynamo compiled (process-wide) after every DiT's first compiled forward: a
+    new input size or a failed guard; 0 in steady state."""

@@ -1,7 +1,8 @@
 """The worker's lifecycle: start up in the order below, shut down in reverse.
 
 Start: process groups, then the pipeline (on the CPU when DLO will stream it),
-then the DLO backend, then sequence parallelism's hooks on the DiTs. Shutdown: stop
+then the DLO backend, then sequence parallelism's hooks on the DiTs, then (``--compile``)
+each DiT's blocks compiled. Shutdown: stop
 intake (the caller), then ``backend.disable()`` while the process groups still exist
 (it synchronizes outstanding AllGathers), then destroy the process groups. SIGTERM takes the
 same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
@@ -34,7 +35,7 @@ from dlo_worker.loader.diffusers_loader import (
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.offload.host_weights import HostWeightsError
-from dlo_worker.pipeline import diffusers_offload, quantization, sequence_parallel
+from dlo_worker.pipeline import compilation, diffusers_offload, quantization, sequence_parallel
 from dlo_worker.process.devices import resolve_device, resolve_dtype
 from dlo_worker.process.topology import Topology, init_topology
 
@@ -117,6 +118,9 @@ class Worker:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
             )
+        if (mode := self.config.effective().compile) is not None:
+            # Last: DLO routes each streamed block's compile() to its forward.
+            compilation.compile_blocks(self.pipeline, mode, self.config.offload.dlo_block_paths)
 
     @property
     def pipeline(self) -> DiffusionPipeline:

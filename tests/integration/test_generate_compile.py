@@ -1,0 +1,116 @@
+"""``dlo-worker generate --compile`` (inductor's CPU backend): DLO writes the bytes of the
+resident model compiled the same way, rank-local and with DLO AllGather over DP=2, on the
+DiT and Flux demos; combinations that cannot run are refused before torch loads."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_generate_dlo import run_single, torchrun
+from tests.support.generate import ENV, digest, generate_argv
+from tests.support.launch import rank_logs
+
+DLO = ("--enable-distributed-layerwise-offload",)
+RANK_LOCAL = (*DLO, "--dlo-no-use-allgather")
+PROMPT = ("--prompt", "a red cat", "--width", "32", "--height", "32")
+
+
+@pytest.fixture(scope="module")
+def models(demo_model_dir: Path, flux_model_dir: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
+    return {"dit": (demo_model_dir, ()), "flux": (flux_model_dir, PROMPT)}
+
+
+@pytest.fixture(scope="module")
+def resident_compiled(
+    models: dict[str, tuple[Path, tuple[str, ...]]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, int], str]:
+    """Digests of the resident model compiled with --compile: the DiT demo at seeds 11 and
+    12 (the two DP ranks' seeds), the Flux demo at 11."""
+    out = tmp_path_factory.mktemp("resident-compiled")
+    images = {}
+    for name, seed in (("dit", 11), ("dit", 12), ("flux", 11)):
+        model, flags = models[name]
+        path = out / f"{name}-{seed}.png"
+        result = run_single(model, path, seed, "--compile", *flags)
+        assert re.search(r"blocks compiled lazily.* blocks=[1-9]", result.stderr), result.stderr
+        images[(name, seed)] = digest(path)
+    eager = out / "dit-eager.png"
+    run_single(models["dit"][0], eager, 11)
+    # Inductor's kernels round differently from eager ones: the option took effect.
+    assert digest(eager) != images[("dit", 11)]
+    return images
+
+
+@pytest.mark.parametrize("name", ["dit", "flux"])
+def test_rank_local_dlo_compiled_writes_the_resident_compiled_bytes(
+    name: str,
+    models: dict[str, tuple[Path, tuple[str, ...]]],
+    resident_compiled: dict[tuple[str, int], str],
+    tmp_path: Path,
+) -> None:
+    model, flags = models[name]
+    out = tmp_path / "dlo.png"
+    result = run_single(model, out, 11, "--compile", *RANK_LOCAL, *flags)
+    assert digest(out) == resident_compiled[(name, 11)]
+    stats = re.search(
+        r"streamed_blocks=(\d+) .*compiled_blocks=(\d+) recompiles=(\d+)", result.stderr
+    )
+    assert stats, result.stderr
+    streamed, compiled, recompiles = map(int, stats.groups())
+    assert compiled == streamed > 0
+    assert recompiles == 0
+
+
+def test_allgather_dlo_compiled_writes_each_ranks_resident_compiled_bytes(
+    demo_model_dir: Path, resident_compiled: dict[tuple[str, int], str], tmp_path: Path
+) -> None:
+    out = tmp_path / "dp.png"
+    process = torchrun(
+        demo_model_dir, out, tmp_path / "logs", 11, "--compile", *DLO, "--data-parallel-size", "2"
+    )
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    assert digest(out) == resident_compiled[("dit", 11)]
+    assert digest(tmp_path / "dp.dp1.png") == resident_compiled[("dit", 12)]
+    for log in rank_logs(tmp_path / "logs").values():
+        assert "transfer_mode=allgather" in log
+        assert "recompiles=0" in log
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--compile-mode", "max-autotune-no-cudagraphs"),
+            "--compile-mode max-autotune-no-cudagraphs requires --compile; add it",
+        ),
+        (
+            ("--compile", "--enable-layerwise-offload"),
+            "--compile with --enable-layerwise-offload: diffusers' group offloading",
+        ),
+        (
+            ("--compile", "--compile-mode", "reduce-overhead", *RANK_LOCAL),
+            "--compile-mode reduce-overhead with --enable-distributed-layerwise-offload: CUDA "
+            "graphs over DLO's two slots are not implemented",
+        ),
+    ],
+)
+def test_compile_combinations_that_cannot_run_exit_2_in_one_line(
+    flags: tuple[str, ...], message: str, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    result = subprocess.run(
+        generate_argv(demo_model_dir, tmp_path / "x.png", 0, *flags),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
