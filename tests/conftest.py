@@ -81,7 +81,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     outcomes: dict[str, int] = {}
     for outcome in ("passed", "failed", "error", "skipped"):
         for report in terminalreporter.stats.get(outcome, []):
-            if "real_nodes" in report.keywords and (
+            # A collection error's report has no keywords (and is no real-node test).
+            if "real_nodes" in getattr(report, "keywords", ()) and (
                 report.when == "call" or outcome in ("error", "skipped")
             ):
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1

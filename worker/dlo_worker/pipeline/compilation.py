@@ -12,6 +12,15 @@ block class once and reuses its graph (guards permitting) for every instance, wh
 keeps the first step's compile short; DLO's hooks could not be traced into a whole-DiT
 graph anyway.
 
+In the default mode inductor runs deterministically (``torch._inductor.config.
+deterministic``): otherwise it times candidate kernel configurations on the device when a
+graph first runs and keeps the fastest, and two timings that differ by noise pick
+kernels that round differently. Measured on an H200 (Flux, 1024x1024, ``bench/
+flux_compile.py``): without it the DLO and resident compiled steps differed by up to
+0.078; with it they are bitwise equal, at the same step time. ``max-autotune-no-
+cudagraphs`` exists to time kernel choices, so it keeps them: its images match from run to
+run only as far as those timings do.
+
 Shapes are static at first and torch's automatic dynamic shapes take over at the first
 new image size: a second size compiles once more with the changed dimensions symbolic,
 and later sizes reuse that graph, instead of one compile per size until Dynamo's
@@ -34,6 +43,10 @@ def compile_blocks(
 ) -> int:
     """Compile every DiT's blocks with ``mode``; returns how many blocks were compiled.
     Compilation itself happens lazily, on each block's first call."""
+    if mode == CompileMode.DEFAULT:
+        import torch._inductor.config
+
+        torch._inductor.config.deterministic = True
     compiled = 0
     for dit in discover(pipeline, block_paths).dits:
         for _name, block in dit.blocks:
