@@ -225,7 +225,9 @@ class Compile(_Api):
     mode: CompileMode = Field(
         default=CompileMode.DEFAULT,
         description="torch.compile mode: default, max-autotune-no-cudagraphs, or "
-        "reduce-overhead (CUDA graphs; not with offload in this release).",
+        "reduce-overhead (CUDA graphs over each block, resident or streamed; nvidia-gpu "
+        "only). Compiled graphs are kept on an emptyDir, or beside the runtime cache on "
+        "the node when it is enabled.",
     )
 
 

@@ -31,6 +31,8 @@ from dlo_worker.config import (
 
 RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
 """Where the node's runtime-cache hostPath appears inside every worker container."""
+COMPILE_CACHE_MOUNT_PATH = "/var/cache/dlo-compile"
+"""The Pod's emptyDir for inductor's compiled graphs (without the runtime cache)."""
 
 GIB = Decimal(2**30)
 
@@ -56,6 +58,22 @@ def _device(spec: DiffusionDeploymentSpec) -> str:
     return "cuda" if spec.accelerator == Accelerator.NVIDIA_GPU else "cpu"
 
 
+def runtime_cache_mounted(spec: DiffusionDeploymentSpec) -> bool:
+    """Whether the node's runtime-cache hostPath is mounted in the worker containers."""
+    return spec.offload.enabled and spec.offload.runtime_cache.enabled
+
+
+def compile_cache_dir(spec: DiffusionDeploymentSpec) -> str | None:
+    """Where ``--compile`` keeps inductor's compiled graphs: beside the runtime cache on the
+    node's hostPath when it is mounted (a Pod restarted or rescheduled onto the node loads
+    them), else on an emptyDir of the Pod (a restarted container loads them)."""
+    if not spec.compile.enabled:
+        return None
+    if runtime_cache_mounted(spec):
+        return f"{RUNTIME_CACHE_MOUNT_PATH}/compile"
+    return COMPILE_CACHE_MOUNT_PATH
+
+
 def _block_paths(spec: DiffusionDeploymentSpec) -> tuple[str, ...] | None:
     return tuple(spec.offload.block_paths) if spec.offload.block_paths else None
 
@@ -67,6 +85,7 @@ CRD_FIELDS: dict[str, CrdField] = {
     "quantization": CrdField("quantization", lambda spec: spec.quantization),
     "compile": CrdField("compile.enabled", lambda spec: spec.compile.enabled),
     "compile_mode": CrdField("compile.mode", lambda spec: spec.compile.mode),
+    "compile_cache_dir": CrdField("compile.enabled", compile_cache_dir),
     "data_parallel_size": CrdField("parallelism.data", lambda spec: spec.parallelism.data),
     "sequence_parallel_size": CrdField(
         "parallelism.sequence", lambda spec: spec.parallelism.sequence

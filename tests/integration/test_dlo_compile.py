@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from torch import nn
+from torch._inductor.cudagraph_trees import MarkStepBox
 
 from dlo_worker.config import CompileMode
+from dlo_worker.observability import metrics
 from dlo_worker.offload import OffloadSetupError, enable_dlo
 from dlo_worker.pipeline.compilation import compile_blocks
 from tests.support.tiny_models import TinyCase, tiny_dit, tiny_flux
 
 FORWARDS = 3
+CPU = torch.device("cpu")
 
 
 def _forwards(model: nn.Module, inputs: dict, count: int = FORWARDS) -> list[torch.Tensor]:
@@ -33,7 +38,7 @@ def _compile_repeated(model: nn.Module) -> None:
 
 
 def _compile_discovered(model: nn.Module) -> None:
-    compile_blocks(model, CompileMode.DEFAULT)
+    compile_blocks(model, CompileMode.DEFAULT, CPU)
 
 
 def _compile_first_block_by_hand(model: nn.Module) -> None:
@@ -79,7 +84,7 @@ def test_a_new_input_size_is_counted_as_a_recompile_and_the_next_forward_is_not(
     case = tiny_dit(0)
     backend = enable_dlo(case.model, device="cpu", use_allgather=False)
     try:
-        compile_blocks(case.model, CompileMode.DEFAULT)
+        compile_blocks(case.model, CompileMode.DEFAULT, CPU)
         _forwards(case.model, case.inputs, 2)
         assert backend.stats().recompiles == 0
         larger = {**case.inputs, "hidden_states": torch.randn(2, 4, 16, 16)}
@@ -131,3 +136,48 @@ def test_disable_gives_each_block_its_own_compile_and_forward_back() -> None:
     assert "compile" not in vars(block)
     assert "forward" not in vars(block)
     assert block.compile.__func__ is nn.Module.compile  # type: ignore[attr-defined]
+
+
+def test_blocks_compiled_with_cuda_graphs_make_each_dit_forward_one_cuda_graph_step() -> None:
+    """torch's CUDA graph trees start a step at each outermost compiled call unless told:
+    with one graph per block, the next block's graph could reuse the memory of the output
+    it reads. DLO marks one step per DiT forward (the graphs themselves run on CUDA only:
+    tests/gpu/test_cuda_graphs_cuda.py), until it is disabled."""
+    case = tiny_flux(0)
+    backend = enable_dlo(case.model, device="cpu", use_allgather=False)
+    try:
+        case.model.compile_repeated_blocks(fullgraph=True, mode="reduce-overhead")  # type: ignore[operator]
+        before = MarkStepBox.mark_step_counter
+        _forwards(case.model, case.inputs, 2)
+        assert MarkStepBox.mark_step_counter == before - 2
+    finally:
+        backend.disable()
+    # disable() takes DLO's DiT hooks, the step mark among them, off the model.
+    assert not case.model._forward_pre_hooks
+
+
+def test_compile_metrics_read_what_compile_blocks_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # compile_blocks points inductor at the directory; restore the variable afterwards.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
+    torch._dynamo.reset()  # graphs other tests compiled in this process would be reused
+    case = tiny_dit(0)
+    compiled = compile_blocks(case.model, CompileMode.DEFAULT, CPU, cache_dir=tmp_path / "graphs")
+    metrics.watch_compilation(compiled)
+    assert REGISTRY.get_sample_value("dlo_compile_first_forward_seconds") == 0.0
+    _forwards(case.model, case.inputs, 2)
+    assert compiled.first_forward_seconds is not None
+    assert compiled.first_forward_seconds > 0
+    assert REGISTRY.get_sample_value("dlo_compiled_blocks") == compiled.blocks > 0
+    assert (
+        REGISTRY.get_sample_value("dlo_compile_first_forward_seconds")
+        == compiled.first_forward_seconds
+    )
+    assert REGISTRY.get_sample_value("dlo_compile_recompiles") == 0
+    lookups = sum(
+        REGISTRY.get_sample_value("dlo_compile_cache_lookups", {"result": result}) or 0
+        for result in ("hit", "miss")
+    )
+    assert lookups == compiled.cache_hits + compiled.cache_misses > 0
+    assert any((tmp_path / "graphs").iterdir())

@@ -93,9 +93,17 @@ def test_allgather_dlo_compiled_writes_each_ranks_resident_compiled_bytes(
             "--compile with --enable-layerwise-offload: diffusers' group offloading",
         ),
         (
-            ("--compile", "--compile-mode", "reduce-overhead", *RANK_LOCAL),
-            "--compile-mode reduce-overhead with --enable-distributed-layerwise-offload: CUDA "
-            "graphs over DLO's two slots are not implemented",
+            ("--compile", "--compile-mode", "reduce-overhead", "--device", "cpu", *RANK_LOCAL),
+            "--compile-mode reduce-overhead with --device cpu: CUDA graphs need a CUDA device",
+        ),
+        (
+            # --device auto resolves to the CPU on this machine: refused at start.
+            ("--compile", "--compile-mode", "reduce-overhead", "--device", "auto", *RANK_LOCAL),
+            "--compile-mode reduce-overhead on cpu: CUDA graphs need a CUDA device",
+        ),
+        (
+            ("--compile-cache-dir", "/tmp/graphs"),
+            "--compile-cache-dir requires --compile; add it or drop the directory",
         ),
     ],
 )
@@ -114,3 +122,28 @@ def test_compile_combinations_that_cannot_run_exit_2_in_one_line(
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_restarted_worker_loads_its_graphs_from_the_compile_cache_dir(
+    demo_model_dir: Path, resident_compiled: dict[tuple[str, int], str], tmp_path: Path
+) -> None:
+    """The first run compiles into the directory; a second process (a restarted Pod) loads
+    every graph from it, compiles none, and writes the same bytes."""
+    cache = tmp_path / "graphs"
+    lookups = {}
+    for attempt in ("cold", "warm"):
+        out = tmp_path / f"{attempt}.png"
+        result = run_single(
+            demo_model_dir, out, 11, "--compile", "--compile-cache-dir", str(cache), *RANK_LOCAL
+        )
+        assert digest(out) == resident_compiled[("dit", 11)]
+        stats = re.search(
+            r'msg="compile stats" .*first_forward_seconds=([0-9.]+) recompiles=0 '
+            r"cache_hits=(\d+) cache_misses=(\d+)",
+            result.stderr,
+        )
+        assert stats, result.stderr
+        lookups[attempt] = (int(stats.group(2)), int(stats.group(3)))
+    assert lookups["cold"][1] > 0
+    assert lookups["warm"] == (lookups["cold"][1], 0)
+    assert (cache / "fxgraph").is_dir()

@@ -211,5 +211,16 @@ def test_spec_compile_reaches_the_worker_and_its_refusals_read_in_crd_terms() ->
         InvalidSpecError, match=r"^compile\.mode max-autotune-no-cudagraphs requires compile\."
     ):
         validate(spec(compile={"mode": "max-autotune-no-cudagraphs"}))
-    with pytest.raises(InvalidSpecError, match="CUDA graphs over DLO's two slots"):
-        validate(spec(compile={"enabled": True, "mode": "reduce-overhead"}))
+    # CUDA graphs run under DLO; they need a GPU.
+    validate(spec(compile={"enabled": True, "mode": "reduce-overhead"}))
+    with pytest.raises(
+        InvalidSpecError,
+        match=r"^compile\.mode reduce-overhead with accelerator cpu: CUDA graphs need a CUDA ",
+    ):
+        validate(
+            spec(
+                accelerator="none",
+                compile={"enabled": True, "mode": "reduce-overhead"},
+                offload={"enabled": False},
+            )
+        )

@@ -502,3 +502,40 @@ def test_an_fp8_deployment_renders_workers_that_stream_fp8_weights() -> None:
     arguments = worker_arguments(variant)
     assert arguments[arguments.index("--quantization") + 1] == "fp8"
     assert "--enable-distributed-layerwise-offload" in arguments
+
+
+@pytest.mark.parametrize(
+    ("runtime_cache", "cache_dir", "volume"),
+    [
+        (False, "/var/cache/dlo-compile", {"name": "compile-cache", "emptyDir": {}}),
+        (True, "/var/cache/dlo-worker/compile", None),
+    ],
+)
+def test_compiled_graphs_are_kept_where_a_restarted_worker_finds_them(
+    runtime_cache: bool, cache_dir: str, volume: dict | None
+) -> None:
+    """An emptyDir of the Pod (a restarted container loads the graphs), or beside the
+    runtime cache on the node's hostPath (a Pod restarted on the node loads them)."""
+    variant = spec(
+        compile={"enabled": True, "mode": "reduce-overhead"},
+        offload={"useAllGather": False, "runtimeCache": {"enabled": runtime_cache}},
+    )
+    validate(variant)
+    config = config_from_args(build_parser().parse_args(worker_arguments(variant)))
+    assert str(config.model.compile_cache_dir) == cache_dir
+    assert config.effective().compile == "reduce-overhead"
+    pod = leader(variant)
+    mounts = {m["mountPath"] for m in container(pod)["volumeMounts"]}
+    volumes = [v for v in pod["spec"]["volumes"] if v["name"] == "compile-cache"]
+    if volume is None:
+        assert volumes == []
+        assert "/var/cache/dlo-worker" in mounts
+    else:
+        assert volumes == [volume]
+        assert cache_dir in mounts
+
+
+def test_an_engine_without_compile_gets_no_compile_cache() -> None:
+    pod = leader(spec())
+    assert "--compile-cache-dir" not in container(pod)["command"]
+    assert all(v["name"] != "compile-cache" for v in pod["spec"]["volumes"])

@@ -9,7 +9,13 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 from dlo_operator.api import Accelerator, DiffusionDeploymentSpec, LockedMemory
-from dlo_operator.workerconfig import RUNTIME_CACHE_MOUNT_PATH, memory_floor_bytes
+from dlo_operator.workerconfig import (
+    COMPILE_CACHE_MOUNT_PATH,
+    RUNTIME_CACHE_MOUNT_PATH,
+    compile_cache_dir,
+    memory_floor_bytes,
+    runtime_cache_mounted,
+)
 
 GPU_RESOURCE = "nvidia.com/gpu"
 WORKER_UID = 65532
@@ -80,15 +86,20 @@ def volumes_and_mounts(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[
         )
     if model.host_path or model.persistent_volume_claim:
         mounts.append({"name": "model", "mountPath": model.mount_path, "readOnly": True})
-    cache = spec.offload.runtime_cache
-    if spec.offload.enabled and cache.enabled:
+    if runtime_cache_mounted(spec):
         volumes.append(
             {
                 "name": "runtime-cache",
-                "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"},
+                "hostPath": {
+                    "path": spec.offload.runtime_cache.host_path,
+                    "type": "DirectoryOrCreate",
+                },
             }
         )
         mounts.append({"name": "runtime-cache", "mountPath": RUNTIME_CACHE_MOUNT_PATH})
+    if compile_cache_dir(spec) == COMPILE_CACHE_MOUNT_PATH:
+        volumes.append({"name": "compile-cache", "emptyDir": {}})
+        mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT_PATH})
     return volumes, mounts
 
 

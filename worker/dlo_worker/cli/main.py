@@ -249,6 +249,8 @@ def _command_generate(args: argparse.Namespace) -> int:
         backing = worker.backing
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
+        if worker.compiled is not None:
+            logger.info("compile stats", extra={"fields": worker.compiled.fields()})
     if worker.topology.coordinates.sequence_parallel_rank > 0:
         return 0  # the SP group's first rank writes the images they made together
     outs = image_output_paths(

@@ -37,6 +37,8 @@ class EffectiveConfig(Options):
     world_size: int
     compile: CompileMode | None
     """The mode each DiT's repeated blocks are compiled with (``None``: eager)."""
+    compile_cache_dir: Path | None
+    """Where inductor keeps compiled graphs (``None``: its default, or nothing compiled)."""
     warnings: list[str]
 
 
@@ -109,6 +111,7 @@ def resolve(config: WorkerConfig) -> EffectiveConfig:
         host_backing_candidates=_host_backing_candidates(config),
         world_size=config.parallel.world_size,
         compile=config.model.compile_mode if config.model.compile else None,
+        compile_cache_dir=config.model.compile_cache_dir,
         warnings=warnings,
     )
 

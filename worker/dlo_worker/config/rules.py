@@ -119,7 +119,14 @@ def _compile_errors(config: WorkerConfig) -> list[str]:
     if not model.compile:
         if model.compile_mode != CompileMode.DEFAULT:
             return [f"--compile-mode {model.compile_mode} requires --compile; add it"]
+        if model.compile_cache_dir is not None:
+            return ["--compile-cache-dir requires --compile; add it or drop the directory"]
         return []
+    if model.compile_mode == CompileMode.REDUCE_OVERHEAD and model.device == "cpu":
+        return [
+            "--compile-mode reduce-overhead with --device cpu: CUDA graphs need a CUDA "
+            "device; use --compile-mode default on the CPU"
+        ]
     if offload.enable_layerwise_offload and not offload.enable_distributed_layerwise_offload:
         return [
             "--compile with --enable-layerwise-offload: diffusers' group offloading loads "
@@ -208,12 +215,6 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             "--quantization fp8 is not run under diffusers' offload modes by this worker "
             "release; stream the FP8 weights with --enable-distributed-layerwise-offload, or "
             "run resident"
-        )
-    if config.model.compile_mode == CompileMode.REDUCE_OVERHEAD and policy == OffloadPolicy.DLO:
-        errors.append(
-            "--compile-mode reduce-overhead with --enable-distributed-layerwise-offload: CUDA "
-            "graphs over DLO's two slots are not implemented by this worker release; use "
-            "--compile-mode default or max-autotune-no-cudagraphs"
         )
     parallel = config.parallel
     if parallel.sequence_parallel_size > 1 and policy in (

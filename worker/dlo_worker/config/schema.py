@@ -53,7 +53,13 @@ class ModelOptions(Options):
     compile_mode: CompileMode = Field(
         default=CompileMode.DEFAULT,
         description="torch.compile mode of --compile: default, max-autotune-no-cudagraphs "
-        "or reduce-overhead (CUDA graphs; resident only).",
+        "or reduce-overhead (CUDA graphs over each compiled block; CUDA devices only).",
+    )
+    compile_cache_dir: Path | None = Field(
+        default=None,
+        description="Directory of inductor's compiled-graph cache (TORCHINDUCTOR_CACHE_DIR): "
+        "a restarted worker that finds its graphs there skips most of the first step's "
+        "compile. Default: inductor's own, under /tmp.",
     )
 
     @field_validator("device")

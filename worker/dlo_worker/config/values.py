@@ -49,7 +49,8 @@ class CompileMode(StrEnum):
     MAX_AUTOTUNE_NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
     """Benchmarks kernel choices (matmul templates) while compiling: a longer first step."""
     REDUCE_OVERHEAD = "reduce-overhead"
-    """CUDA graphs over the compiled blocks (resident models only in this release)."""
+    """CUDA graphs over each compiled block: one graph launch per block instead of one per
+    kernel; under DLO each block's graph reads its slot's fixed addresses."""
 
     @property
     def torch_mode(self) -> str | None:

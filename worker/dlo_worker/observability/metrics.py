@@ -6,6 +6,8 @@ and tests can read them from the default registry.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import PLATFORM_COLLECTOR, REGISTRY, Counter, Gauge, Histogram, Info
 
 # ``/metrics`` is open without the API key: publish no interpreter or library versions
@@ -76,3 +78,43 @@ NONFINITE_OUTPUTS = Counter(
     "Generations whose decoded image held NaN or infinity (refused, not written).",
 )
 HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")
+COMPILED_BLOCKS = Gauge("dlo_compiled_blocks", "DiT blocks compiled by --compile.")
+COMPILE_FIRST_FORWARD_SECONDS = Gauge(
+    "dlo_compile_first_forward_seconds",
+    "Wall time of each DiT's first forward after --compile (every block graph compiled or "
+    "loaded from inductor's cache, plus one forward), summed; 0 until it ran.",
+)
+COMPILE_RECOMPILES = Gauge(
+    "dlo_compile_recompiles",
+    "Graphs Dynamo compiled after every DiT's first compiled forward (a new image size or "
+    "a failed guard); 0 in steady state.",
+)
+COMPILE_CACHE_LOOKUPS = Gauge(
+    "dlo_compile_cache_lookups",
+    "Compiled graphs inductor loaded from its cache (hit) or had to compile (miss).",
+    ["result"],
+)
+
+
+class Compilation(Protocol):
+    """What the compile gauges read (``pipeline.compilation.CompiledBlocks``)."""
+
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def first_forward_seconds(self) -> float | None: ...
+    @property
+    def recompiles(self) -> int: ...
+    @property
+    def cache_hits(self) -> int: ...
+    @property
+    def cache_misses(self) -> int: ...
+
+
+def watch_compilation(compiled: Compilation) -> None:
+    """Point the compile gauges at ``compiled``: each scrape reads its current values."""
+    COMPILED_BLOCKS.set_function(lambda: compiled.blocks)
+    COMPILE_FIRST_FORWARD_SECONDS.set_function(lambda: compiled.first_forward_seconds or 0.0)
+    COMPILE_RECOMPILES.set_function(lambda: compiled.recompiles)
+    COMPILE_CACHE_LOOKUPS.labels(result="hit").set_function(lambda: compiled.cache_hits)
+    COMPILE_CACHE_LOOKUPS.labels(result="miss").set_function(lambda: compiled.cache_misses)

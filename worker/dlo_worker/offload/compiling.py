@@ -16,6 +16,13 @@ out of every graph and lets the block's own computation be compiled whole:
   ``fullgraph=True`` fails at its first call with that reason.
 - A DiT or streamed block compiled before DLO is enabled is refused (its compiled graph
   would trace the hooks), naming the order that works.
+- CUDA graphs (``mode="reduce-overhead"``): a block's graph is recorded against the
+  addresses of the slot it ran in, and replayed whenever it runs in that slot again.
+  Slots alternate, so with an odd number of streamed blocks a block's slot alternates
+  from one forward to the next: torch records one graph per block and slot (its CUDA
+  graph trees re-record when a static input's address differs, keeping both), and from
+  the third forward on every block replays one of them. The copies and waits stay
+  outside the graphs, ordered on the compute stream the graphs replay on.
 """
 
 from __future__ import annotations
@@ -68,26 +75,73 @@ def check_not_compiled(modules: Iterable[tuple[str, nn.Module]]) -> None:
             )
 
 
+class RecompileCounter:
+    """Graphs Dynamo compiled (process-wide) once every watched DiT finished its first
+    forward after its blocks were compiled: a new input size or a failed guard, 0 in
+    steady state. Dynamo's own counter, read twice: no hook inside a graph."""
+
+    def __init__(self, dits: int) -> None:
+        self._dits = dits
+        self._graphs_after_first_forward: dict[int, int] = {}
+        """Per DiT, Dynamo's graph count when its first forward after a compile finished."""
+
+    def restart(self) -> None:
+        """Blocks were (re)compiled: the next forward of each DiT is a first one again."""
+        self._graphs_after_first_forward.clear()
+
+    def forward_finished(self, key: int) -> bool:
+        """Note the end of a forward of DiT ``key``; true when it was its first."""
+        if key in self._graphs_after_first_forward:
+            return False
+        self._graphs_after_first_forward[key] = compiled_graphs()
+        return True
+
+    @property
+    def recompiles(self) -> int:
+        counts = self._graphs_after_first_forward
+        if len(counts) < self._dits:
+            return 0
+        return compiled_graphs() - max(counts.values())
+
+
+def uses_cuda_graphs(compile_kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.compile(**compile_kwargs)`` records CUDA graphs."""
+    options = compile_kwargs.get("options") or {}
+    return compile_kwargs.get("mode") == "reduce-overhead" or bool(options.get("triton.cudagraphs"))
+
+
+def one_cuda_graph_step_per_forward(_module: nn.Module, _args: tuple[object, ...]) -> None:
+    """A DiT forward pre-hook: the CUDA graphs of its blocks form one step of torch's
+    CUDA graph trees. Each compiled block is an outermost compiled call, so without it
+    every block would start a step of its own, and the next block's graph could reuse the
+    memory of the output it reads (torch refuses that with an error). A block's outputs
+    stay valid until the next forward starts."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 class BlockCompilation:
     """Routes ``compile()`` on each streamed block to its ``forward`` and counts the graphs
     compiled once every DiT ran its first forward; private to the backend, installed with
-    the hooks and removed with them (each block's own ``compile`` and ``forward`` back)."""
+    the hooks and removed with them (each block's own ``compile`` and ``forward`` back).
+    Blocks compiled with CUDA graphs (``mode="reduce-overhead"``) make each DiT forward one
+    CUDA graph step (:func:`one_cuda_graph_step_per_forward`), so the standard API works
+    under DLO without the caller marking steps."""
 
     def __init__(self) -> None:
         self._blocks: list[StreamedBlock] = []
         self._compiled: set[StreamedBlock] = set()
         self._handles: list[RemovableHandle] = []
-        self._dits = 0
-        self._graphs_after_first_forward: dict[int, int] = {}
-        """Per DiT, Dynamo's graph count when its first forward after a compile finished."""
+        self._cuda_graphs = False
+        self._counter = RecompileCounter(0)
 
     def install(self, blocks: list[StreamedBlock], dits: dict[int, nn.Module]) -> None:
         self._blocks = list(blocks)
-        self._dits = len(dits)
+        self._counter = RecompileCounter(len(dits))
         for block in blocks:
             # An instance attribute shadows nn.Module.compile for this block only.
             object.__setattr__(block.module, "compile", self._compile_for(block))
         for key, dit in dits.items():
+            self._handles.append(dit.register_forward_pre_hook(eager(self._step_started)))
             self._handles.append(
                 dit.register_forward_hook(
                     eager(lambda _module, _args, _output, key=key: self._forward_finished(key))
@@ -102,13 +156,18 @@ class BlockCompilation:
             forward = type(module).forward.__get__(module)
             object.__setattr__(module, "forward", torch.compile(forward, *args, **kwargs))
             self._compiled.add(block)
-            self._graphs_after_first_forward.clear()
+            self._cuda_graphs = self._cuda_graphs or uses_cuda_graphs(kwargs)
+            self._counter.restart()
 
         return compile_forward
 
+    def _step_started(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if self._cuda_graphs:
+            one_cuda_graph_step_per_forward(module, args)
+
     def _forward_finished(self, key: int) -> None:
         if self._compiled:
-            self._graphs_after_first_forward.setdefault(key, compiled_graphs())
+            self._counter.forward_finished(key)
 
     @property
     def compiled_blocks(self) -> int:
@@ -118,10 +177,7 @@ class BlockCompilation:
     def recompiles(self) -> int:
         """Graphs compiled (process-wide) since every DiT finished its first forward after
         the blocks were compiled: a new input size or a failed guard; 0 in steady state."""
-        counts = self._graphs_after_first_forward
-        if not self._compiled or len(counts) < self._dits:
-            return 0
-        return compiled_graphs() - max(counts.values())
+        return self._counter.recompiles if self._compiled else 0
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -133,4 +189,5 @@ class BlockCompilation:
                 block.module.__dict__.pop("forward", None)
         self._blocks.clear()
         self._compiled.clear()
-        self._graphs_after_first_forward.clear()
+        self._cuda_graphs = False
+        self._counter.restart()

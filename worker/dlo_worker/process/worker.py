@@ -73,6 +73,8 @@ class Worker:
         self.dtype = resolve_dtype(config.model, self.device)
         self.topology = Topology()
         self.backend: DistributedLayerwiseOffloadBackend | None = None
+        self.compiled: compilation.CompiledBlocks | None = None
+        """What ``--compile`` did (``None`` without it)."""
         self._pipeline: DiffusionPipeline | None = None
         self._backing: BackingDecision | None = None
         self._previous_sigterm: signal._HANDLER = None
@@ -94,6 +96,7 @@ class Worker:
         # group offloading, a DiT class diffusers supports.
         policy = self.config.effective().offload_policy
         diffusers_offload.check_device(policy, self.device)
+        compilation.check_device(self.config.effective().compile, self.device)
         diffusers_offload.check_model(policy, self.model_dir, DIT_COMPONENTS)
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.device.type == "cuda":
@@ -120,7 +123,14 @@ class Worker:
             )
         if (mode := self.config.effective().compile) is not None:
             # Last: DLO routes each streamed block's compile() to its forward.
-            compilation.compile_blocks(self.pipeline, mode, self.config.offload.dlo_block_paths)
+            self.compiled = compilation.compile_blocks(
+                self.pipeline,
+                mode,
+                self.device,
+                self.config.offload.dlo_block_paths,
+                self.config.model.compile_cache_dir,
+            )
+            metrics.watch_compilation(self.compiled)
 
     @property
     def pipeline(self) -> DiffusionPipeline:
