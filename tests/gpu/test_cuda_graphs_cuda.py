@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch._inductor.cudagraph_trees import MarkStepBox
 
 from dlo_worker.config import CompileMode
 from dlo_worker.offload import enable_dlo
@@ -30,11 +31,15 @@ def test_dlo_with_cuda_graphs_replays_the_resident_graphs_bitwise() -> None:
     resident = copy.deepcopy(case.model).to(CUDA)
     compile_blocks(resident, CompileMode.REDUCE_OVERHEAD, CUDA)
     # Forwards 1-3 warm up and record (a second recording per slot parity under DLO).
+    steps = MarkStepBox.mark_step_counter
     expected = _forwards(resident, inputs, 6)
+    assert MarkStepBox.mark_step_counter == steps - 6  # one CUDA graph step per forward
     backend = enable_dlo(case.model, device=CUDA, use_allgather=False)
     try:
         compile_blocks(case.model, CompileMode.REDUCE_OVERHEAD, CUDA)
+        steps = MarkStepBox.mark_step_counter
         streamed = _forwards(case.model, inputs, 6)
+        assert MarkStepBox.mark_step_counter == steps - 6
         stats = backend.stats()
     finally:
         backend.disable()

@@ -23,7 +23,8 @@ images match from run to run only as far as those timings do.
 
 ``reduce-overhead`` records each compiled block as a CUDA graph; each DiT forward is one
 step of torch's CUDA graph trees (:func:`~dlo_worker.offload.compiling.
-one_cuda_graph_step_per_forward`), resident or under DLO.
+one_cuda_graph_step_per_forward`), marked here for a resident DiT and by DLO's block
+compilation for a streamed one.
 
 Shapes are static at first and torch's automatic dynamic shapes take over at the first
 new image size: a second size compiles once more with the changed dimensions symbolic,
@@ -53,6 +54,7 @@ from torch import nn
 
 from dlo_worker.config import CompileMode
 from dlo_worker.errors import UserFixableError
+from dlo_worker.offload import ownership
 from dlo_worker.offload.compiling import RecompileCounter, one_cuda_graph_step_per_forward
 from dlo_worker.offload.plan import discover
 
@@ -158,7 +160,9 @@ def compile_blocks(
         for _name, block in dit.blocks:
             block.compile(fullgraph=True, mode=mode.torch_mode)
             compiled.blocks += 1
-        _watch_first_forward(compiled, dit.module, device, mode)
+        # A streamed DiT's CUDA graph steps are marked by DLO's own block compilation.
+        mark_steps = mode == CompileMode.REDUCE_OVERHEAD and not ownership.streamed(dit.module)
+        _watch_first_forward(compiled, dit.module, device, mark_steps=mark_steps)
     logger.info(
         "blocks compiled lazily",
         extra={"fields": {"blocks": compiled.blocks, "mode": mode, "cache_dir": cache_dir}},
@@ -167,16 +171,16 @@ def compile_blocks(
 
 
 def _watch_first_forward(
-    compiled: CompiledBlocks, dit: nn.Module, device: torch.device, mode: CompileMode
+    compiled: CompiledBlocks, dit: nn.Module, device: torch.device, *, mark_steps: bool
 ) -> None:
     """Time the DiT's first forward (it compiles every block graph; synchronized once, on
-    CUDA) and count recompiles after it; with CUDA graphs, make each forward one CUDA
+    CUDA) and count recompiles after it; with ``mark_steps``, make each forward one CUDA
     graph step. Later forwards pay nothing but that step mark."""
     key = id(dit)
     first_started: list[float] = []
 
     def forward_starts(module: nn.Module, args: tuple[object, ...]) -> None:
-        if mode == CompileMode.REDUCE_OVERHEAD:
+        if mark_steps:
             one_cuda_graph_step_per_forward(module, args)
         first_started[:] = [time.perf_counter()]
 
