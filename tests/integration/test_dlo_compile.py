@@ -142,7 +142,7 @@ def test_blocks_compiled_with_cuda_graphs_make_each_dit_forward_one_cuda_graph_s
     """torch's CUDA graph trees start a step at each outermost compiled call unless told:
     with one graph per block, the next block's graph could reuse the memory of the output
     it reads. DLO marks one step per DiT forward (the graphs themselves run on CUDA only:
-    tests/gpu/test_cuda_graphs_cuda.py), until it is disabled."""
+    tests/gpu/test_compile_cuda.py), until it is disabled."""
     case = tiny_flux(0)
     backend = enable_dlo(case.model, device="cpu", use_allgather=False)
     try:
