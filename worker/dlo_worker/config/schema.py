@@ -58,8 +58,9 @@ class ModelOptions(Options):
     compile_cache_dir: Path | None = Field(
         default=None,
         description="Directory of inductor's compiled-graph cache (TORCHINDUCTOR_CACHE_DIR): "
-        "a restarted worker that finds its graphs there skips most of the first step's "
-        "compile. Default: inductor's own, under /tmp.",
+        "a restarted worker that finds its graphs there loads them instead of generating "
+        "and building kernels (Dynamo still traces each block). Default: inductor's own, "
+        "under /tmp.",
     )
 
     @field_validator("device")

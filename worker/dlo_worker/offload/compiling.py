@@ -20,8 +20,9 @@ out of every graph and lets the block's own computation be compiled whole:
   addresses of the slot it ran in, and replayed whenever it runs in that slot again.
   Slots alternate, so with an odd number of streamed blocks a block's slot alternates
   from one forward to the next: torch records one graph per block and slot (its CUDA
-  graph trees re-record when a static input's address differs, keeping both), and from
-  the third forward on every block replays one of them. The copies and waits stay
+  graph trees re-record when a static input's address differs, keeping both): they are
+  recorded during the second and third forwards, and from the fourth on every block
+  replays one of them. The copies and waits stay
   outside the graphs, ordered on the compute stream the graphs replay on.
 """
 
