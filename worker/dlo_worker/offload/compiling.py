@@ -120,6 +120,12 @@ def one_cuda_graph_step_per_forward(_module: nn.Module, _args: tuple[object, ...
     torch.compiler.cudagraph_mark_step_begin()
 
 
+def routed_to_forward(block: nn.Module) -> bool:
+    """Whether DLO routes this block's ``compile()`` to its ``forward`` (a streamed block):
+    a DiT with such a block has its CUDA graph steps marked by :class:`BlockCompilation`."""
+    return "compile" in vars(block)
+
+
 class BlockCompilation:
     """Routes ``compile()`` on each streamed block to its ``forward`` and counts the graphs
     compiled once every DiT ran its first forward; private to the backend, installed with

@@ -54,11 +54,6 @@ def check_not_taken(plan: OffloadPlan, owner: object) -> None:
                     )
 
 
-def streamed(module: nn.Module) -> bool:
-    """Whether a DLO backend streams this DiT (it carries the mark until disabled)."""
-    return getattr(module, MARK, None) is not None
-
-
 def mark(module: nn.Module, owner: object) -> None:
     setattr(module, MARK, owner)
 

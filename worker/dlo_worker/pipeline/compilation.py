@@ -24,7 +24,7 @@ images match from run to run only as far as those timings do.
 ``reduce-overhead`` records each compiled block as a CUDA graph; each DiT forward is one
 step of torch's CUDA graph trees (:func:`~dlo_worker.offload.compiling.
 one_cuda_graph_step_per_forward`), marked here for a resident DiT and by DLO's block
-compilation for a streamed one.
+compilation for a DiT whose blocks it streams.
 
 Shapes are static at first and torch's automatic dynamic shapes take over at the first
 new image size: a second size compiles once more with the changed dimensions symbolic,
@@ -54,8 +54,11 @@ from torch import nn
 
 from dlo_worker.config import CompileMode
 from dlo_worker.errors import UserFixableError
-from dlo_worker.offload import ownership
-from dlo_worker.offload.compiling import RecompileCounter, one_cuda_graph_step_per_forward
+from dlo_worker.offload.compiling import (
+    RecompileCounter,
+    one_cuda_graph_step_per_forward,
+    routed_to_forward,
+)
 from dlo_worker.offload.plan import discover
 
 logger = logging.getLogger(__name__)
@@ -157,11 +160,13 @@ def compile_blocks(
     dits = discover(pipeline, block_paths).dits
     compiled = CompiledBlocks(mode, 0, cache_dir, _counter=RecompileCounter(len(dits)))
     for dit in dits:
+        # DLO's block compilation marks the CUDA graph steps of a DiT it streams blocks of;
+        # this marks those of a resident DiT (or one whose blocks DLO all keeps resident).
+        streamed = any(routed_to_forward(block) for _name, block in dit.blocks)
         for _name, block in dit.blocks:
             block.compile(fullgraph=True, mode=mode.torch_mode)
             compiled.blocks += 1
-        # A streamed DiT's CUDA graph steps are marked by DLO's own block compilation.
-        mark_steps = mode == CompileMode.REDUCE_OVERHEAD and not ownership.streamed(dit.module)
+        mark_steps = mode == CompileMode.REDUCE_OVERHEAD and not streamed
         _watch_first_forward(compiled, dit.module, device, mark_steps=mark_steps)
     logger.info(
         "blocks compiled lazily",
