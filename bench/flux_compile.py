@@ -17,21 +17,16 @@ so the peer runs ``fullgraph=False``, its best.
 Also printed: whether DLO is bitwise equal to the resident model compiled the same way at
 each size, the first step's time (which includes the compile) and the recompiles DLO
 counted. ``--budgets`` times DLO compiled under ``gpu_memory_budget_gib``, each against
-max(resident compiled step, its streamed bytes / H2D). ``--cache-probe`` times the first
-compiled forward in two fresh processes sharing one empty inductor cache directory
-(cold, then warm), as a restarted Pod on the same node would.
+max(resident compiled step, its streamed bytes / H2D). The compile cache's cold and warm
+first step: ``flux_compile_cache.py``.
 
     python bench/flux_compile.py --resolutions 1024 2048 --cuda-graphs --budgets 16 20
-    python bench/flux_compile.py --resolutions 1024 --skip-peer --cache-probe
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -187,8 +182,6 @@ def run(args: argparse.Namespace) -> dict:  # noqa: PLR0915 (one run, in order)
             "dlo_max_abs_difference_to_resident": equal,
             "runs": rows,
         }
-    if args.cache_probe:
-        report["cache_probe"] = cache_probe(args.resolutions[0])
     return report
 
 
@@ -235,43 +228,6 @@ def budget_rows(
     return rows
 
 
-def cache_probe(resolution: int) -> dict:
-    """The first compiled forward in a fresh process, twice over one inductor cache
-    directory: empty (cold), then filled by the first (warm)."""
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="inductor-cache-") as directory:
-        for attempt in ("cold", "warm"):
-            child = subprocess.run(
-                [
-                    sys.executable,
-                    __file__,
-                    "--first-forward-in",
-                    directory,
-                    "--resolutions",
-                    str(resolution),
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            results[attempt] = json.loads(child.stdout.strip().splitlines()[-1])
-    results["warm_over_cold"] = (
-        results["warm"]["first_forward_seconds"] / results["cold"]["first_forward_seconds"]
-    )
-    return results
-
-
-def first_forward_in(directory: Path, resolution: int) -> None:
-    """Child of :func:`cache_probe`: one compiled forward of a fresh model, its record."""
-    device = torch.device("cuda", 0)
-    model = build_flux(device)
-    inputs = flux_inputs(resolution, device)
-    compiled = compile_blocks(model, CompileMode.DEFAULT, device, cache_dir=directory)
-    with torch.inference_mode():
-        model(**inputs)
-    print(json.dumps(compiled.fields(), default=str))
-
-
 def print_report(report: dict) -> None:
     print(
         f"{report['gpu']}, torch {report['torch']}, pinned H2D {report['pinned_h2d_gbps']:.1f} "
@@ -300,14 +256,6 @@ def print_report(report: dict) -> None:
                 f"{row['step_s']:.3f} s | {row['over_bound']:.3f} | "
                 f"{row['back_to_back_s']:.3f} s | {row['over_bound_back_to_back']:.3f} |"
             )
-    if probe := report.get("cache_probe"):
-        print(
-            "\nfirst compiled forward, fresh process: cold "
-            f"{probe['cold']['first_forward_seconds']:.2f} s "
-            f"(cache misses {probe['cold']['cache_misses']}), warm "
-            f"{probe['warm']['first_forward_seconds']:.2f} s (hits {probe['warm']['cache_hits']}, "
-            f"misses {probe['warm']['cache_misses']}): warm/cold {probe['warm_over_cold']:.3f}"
-        )
 
 
 def main() -> None:
@@ -316,14 +264,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--cuda-graphs", action="store_true")
     parser.add_argument("--budgets", type=float, nargs="*", default=[])
-    parser.add_argument("--cache-probe", action="store_true")
     parser.add_argument("--skip-peer", action="store_true")
-    parser.add_argument("--first-forward-in", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="Also write the report here.")
     args = parser.parse_args()
-    if args.first_forward_in is not None:
-        first_forward_in(args.first_forward_in, args.resolutions[0])
-        return
     report = run(args)
     print_report(report)
     if args.json:

@@ -5,12 +5,13 @@ graphs (``--compile-mode reduce-overhead``) it replays the resident model's grap
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch._inductor.cudagraph_trees import MarkStepBox
 
 from dlo_worker.config import CompileMode
-from dlo_worker.offload import enable_dlo
+from dlo_worker.offload import OffloadStats, enable_dlo
 from dlo_worker.pipeline.compilation import compile_blocks
 from tests.support.tiny_models import TinyCase, tiny_flux
 
@@ -51,23 +52,43 @@ def test_dlo_compiled_flux_is_bitwise_equal_to_resident_compiled_on_cuda() -> No
     assert stats.recompiles == 0
 
 
+def _cuda_graph_forwards(
+    model: torch.nn.Module, inputs: dict, dlo: dict[str, Any] | None = None
+) -> tuple[list[torch.Tensor], OffloadStats | None]:
+    """Six forwards of ``model`` compiled with CUDA graphs, under DLO (with enable_dlo's
+    options ``dlo``) unless ``dlo`` is None: forwards 1-3 warm up and record (a second
+    recording per slot parity under DLO), 4-6 replay; each forward is one CUDA graph step."""
+    backend = None
+    if dlo is not None:
+        backend = enable_dlo(model, device=CUDA, use_allgather=False, **dlo)
+    try:
+        compile_blocks(model, CompileMode.REDUCE_OVERHEAD, CUDA)
+        steps = MarkStepBox.mark_step_counter
+        outputs = _forwards(model, inputs, 6)
+        assert MarkStepBox.mark_step_counter == steps - 6
+        return outputs, backend.stats() if backend is not None else None
+    finally:
+        if backend is not None:
+            backend.disable()
+
+
 def test_dlo_with_cuda_graphs_replays_the_resident_graphs_bitwise() -> None:
     case, inputs = _tiny_flux_bf16()
-    resident = copy.deepcopy(case.model).to(CUDA)
-    compile_blocks(resident, CompileMode.REDUCE_OVERHEAD, CUDA)
-    # Forwards 1-3 warm up and record (a second recording per slot parity under DLO).
-    steps = MarkStepBox.mark_step_counter
-    expected = _forwards(resident, inputs, 6)
-    assert MarkStepBox.mark_step_counter == steps - 6  # one CUDA graph step per forward
-    backend = enable_dlo(case.model, device=CUDA, use_allgather=False)
-    try:
-        compile_blocks(case.model, CompileMode.REDUCE_OVERHEAD, CUDA)
-        steps = MarkStepBox.mark_step_counter
-        streamed = _forwards(case.model, inputs, 6)
-        assert MarkStepBox.mark_step_counter == steps - 6
-        stats = backend.stats()
-    finally:
-        backend.disable()
+    expected, _ = _cuda_graph_forwards(copy.deepcopy(case.model).to(CUDA), inputs)
+    streamed, stats = _cuda_graph_forwards(case.model, inputs, dlo={})
     assert all(torch.equal(a, b) for a, b in zip(expected, streamed, strict=True))
+    assert stats is not None
     assert stats.compiled_blocks == stats.streamed_blocks > 0
     assert stats.on_demand_loads == 0
+
+
+def test_cuda_graphs_with_every_block_kept_resident_by_a_budget() -> None:
+    """A budget large enough for every block leaves DLO nothing to stream: the worker's
+    compilation marks the steps (DLO's block compilation owns none), once per forward."""
+    case, inputs = _tiny_flux_bf16()
+    expected, _ = _cuda_graph_forwards(copy.deepcopy(case.model).to(CUDA), inputs)
+    kept, stats = _cuda_graph_forwards(case.model, inputs, dlo={"gpu_memory_budget_gib": 64})
+    assert all(torch.equal(a, b) for a, b in zip(expected, kept, strict=True))
+    assert stats is not None
+    assert (stats.streamed_blocks, stats.resident_blocks) == (0, 5)
+    assert stats.compiled_blocks == 0
