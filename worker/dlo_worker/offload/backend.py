@@ -48,7 +48,7 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
-from dlo_worker.offload import compiling, ownership
+from dlo_worker.offload import adapters, compiling, ownership
 from dlo_worker.offload.block import StreamedBlock
 from dlo_worker.offload.compiling import BlockCompilation
 from dlo_worker.offload.config import OffloadConfig
@@ -267,6 +267,14 @@ class DistributedLayerwiseOffloadBackend:
             compilation = BlockCompilation()
             releases.callback(compilation.remove)
             compilation.install(blocks, {id(dit.module): dit.module for dit in plan.dits})
+            streamed_ids = {id(block.module) for block in blocks}
+            streamed_dits = [
+                dit.module
+                for dit in plan.dits
+                if any(id(module) in streamed_ids for _, module in dit.blocks)
+            ]
+            adapters.refuse_fusing(streamed_dits)
+            releases.callback(adapters.allow_fusing, streamed_dits)
             return Enabled(
                 plan=plan,
                 blocks=blocks,
@@ -309,10 +317,14 @@ class DistributedLayerwiseOffloadBackend:
             move_module_except(module, streamed_ids, self.device)
         for module in resident_modules:
             module.to(self.device)
-        return [
-            setup.describe(dit, name, block, resident_parameter_ids)
-            for dit, name, block in streamed
-        ]
+        # LoRA adapters loaded before enable live on the device, outside every layout.
+        kept_ids = set(resident_parameter_ids)
+        for _dit, _name, block in streamed:
+            for parameter in adapters.adapter_parameters(block):
+                if parameter.device != self.device:
+                    parameter.data = parameter.data.to(self.device)
+                kept_ids.add(id(parameter))
+        return [setup.describe(dit, name, block, kept_ids) for dit, name, block in streamed]
 
     def _hook_up(
         self,
@@ -324,15 +336,16 @@ class DistributedLayerwiseOffloadBackend:
     ) -> BlockHooks:
         """Point every block at the slots and placeholders, install the hooks and start
         loading the first block."""
-        placeholders = {
-            dtype: torch.empty(0, dtype=dtype, device=self.device)
+        anchors = {
+            dtype: torch.zeros(1, dtype=dtype, device=self.device)
             for dtype in {dtype for block in blocks for dtype in block.layout.by_dtype}
         }
         for block in blocks:
             for index, slot in enumerate(slots.slots):
                 block.bind_slot_views(index, slot.buffers)
-            block.to_placeholders(placeholders)
-        hooks = BlockHooks(slots, schedule, placeholders)
+            block.bind_placeholders(anchors)
+            block.to_placeholders()
+        hooks = BlockHooks(slots, schedule)
         releases.callback(hooks.remove)
         hooks.install(blocks, {id(dit.module): dit.module for dit in plan.dits})
         first = schedule.first()
@@ -437,6 +450,7 @@ def _forget_host_sides(blocks: list[StreamedBlock]) -> None:
     """Drop every block's host views, feed and slot views (the memory they point at is
     released by the steps that own it)."""
     for block in blocks:
+        block.to_empty()
         block.arena_views.clear()
         block.mapped.clear()
         block.feed = None

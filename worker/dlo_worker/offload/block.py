@@ -3,10 +3,15 @@ but the pure layout).
 
 One streamed block: its layout, its feed, and its parameters' two lives.
 
-A streamed parameter is either *placeholder* (an empty tensor of its dtype on the
-device, between runs) or *materialized* (a view into one of the two device slots,
-while its block runs). The ``Parameter`` objects never change, so optimizers,
-hooks and ``state_dict`` keys keep working; only ``param.data`` is repointed.
+A streamed parameter is either *placeholder* (between runs: a tensor of its shape and
+dtype on the device whose every element is one shared element, so it costs no memory) or
+*materialized* (a view into one of the two device slots, while its block runs). The
+``Parameter`` objects never change, so optimizers, hooks and ``state_dict`` keys keep
+working; only ``param.data`` is repointed. Placeholders keep the shape because code that
+adds to a model between runs reads it (diffusers' and PEFT's LoRA loading sizes each
+adapter by its base layer's weight); what reads their values gets nothing real, so a
+streamed DiT's ``state_dict`` shows them empty (:mod:`~dlo_worker.offload.adapters`), and
+a disabled backend leaves them empty, so the model cannot run without being loaded again.
 """
 
 from __future__ import annotations
@@ -148,14 +153,34 @@ class StreamedBlock:
         default_factory=lambda: ([], [])
     )
     """Per slot, the device view of every parameter (precomputed: no work on the hot path)."""
+    placeholder_views: list[torch.Tensor] = field(default_factory=list)
+    """Every parameter's placeholder: its shape over one element (precomputed)."""
 
     def materialize(self, slot_index: int) -> None:
         for (parameter, *_), view in zip(self.parameters, self.slot_views[slot_index], strict=True):
             parameter.data = view
 
-    def to_placeholders(self, placeholders: dict[torch.dtype, torch.Tensor]) -> None:
+    def to_placeholders(self) -> None:
+        for (parameter, *_), view in zip(self.parameters, self.placeholder_views, strict=True):
+            parameter.data = view
+
+    def bind_placeholders(self, anchors: dict[torch.dtype, torch.Tensor]) -> None:
+        """Give every parameter a placeholder of its shape over ``anchors``' element of its
+        dtype (stride 0 in every dimension: writing into it fails)."""
+        self.placeholder_views[:] = [
+            anchors[dtype].as_strided(shape, (0,) * len(shape))
+            for _, dtype, _, _, shape, _ in self.parameters
+        ]
+
+    def to_empty(self) -> None:
+        """Leave every parameter an empty tensor of its dtype (DLO disabled: nothing to run).
+        Only once placeholders were bound: an enable that failed before leaves the
+        parameters as it found them."""
+        if not self.placeholder_views:
+            return
         for parameter, dtype, *_ in self.parameters:
-            parameter.data = placeholders[dtype]
+            parameter.data = torch.empty(0, dtype=dtype, device=parameter.device)
+        self.placeholder_views.clear()
 
     def bind_slot_views(self, slot_index: int, buffers: dict[torch.dtype, torch.Tensor]) -> None:
         self.slot_views[slot_index][:] = [

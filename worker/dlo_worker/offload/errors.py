@@ -11,3 +11,7 @@ class OffloadSetupError(RuntimeError, UserFixableError):
 
 class UnsupportedHostBackingError(ValueError, UserFixableError):
     """The object passed as ``host_weights`` is not a HostWeights this backend can consume."""
+
+
+class AdapterFusingError(RuntimeError, UserFixableError):
+    """A LoRA adapter was to be fused into weights DLO streams."""

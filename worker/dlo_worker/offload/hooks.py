@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,11 +34,9 @@ class BlockHooks:
         self,
         slots: SlotPair,
         schedule: Schedule,
-        placeholders: dict[torch.dtype, torch.Tensor],
     ) -> None:
         self._slots = slots
         self._schedule = schedule
-        self._placeholders = placeholders
         self._slot_in_use: dict[StreamedBlock, int] = {}
         self._predicted: dict[StreamedBlock, Prediction] = {}
         self._handles: list[RemovableHandle] = []
@@ -46,6 +45,9 @@ class BlockHooks:
         for block in blocks:
             self._handles.append(
                 block.module.register_forward_pre_hook(eager(self._pre_hook(block)))
+            )
+            self._handles.append(
+                block.module.register_state_dict_post_hook(_streamed_weights_empty(block))
             )
             self._handles.append(
                 block.module.register_forward_hook(eager(self._post_hook(block)), always_call=True)
@@ -136,7 +138,7 @@ class BlockHooks:
         the slot is never left claimed."""
         slot_index = self._slot_in_use.pop(block, None)
         prediction = self._predicted.pop(block, Prediction())
-        block.to_placeholders(self._placeholders)
+        block.to_placeholders()
         if slot_index is None:
             return
         slots = self._slots
@@ -148,3 +150,20 @@ class BlockHooks:
             and slots.slots[1 - slot_index].block is prediction.successor
         ):
             slots.load(following, slot_index, upcoming=prediction.following[1:])
+
+
+def _streamed_weights_empty(block: StreamedBlock) -> Callable[..., None]:
+    """A ``state_dict`` post-hook: the block's streamed weights appear as empty tensors,
+    as they are between runs, rather than as their placeholders' one repeated element
+    (a saved copy would load without error and hold nothing real). ``keep_vars=True``
+    asks for the Parameter objects themselves, which are left in."""
+
+    def hook(
+        _module: nn.Module, state_dict: dict[str, Any], prefix: str, _metadata: object
+    ) -> None:
+        for parameter, dtype, *_, name in block.parameters:
+            key = prefix + name
+            if key in state_dict and not isinstance(state_dict[key], nn.Parameter):
+                state_dict[key] = torch.empty(0, dtype=dtype, device=parameter.device)
+
+    return hook

@@ -1,0 +1,146 @@
+"""LoRA adapters on a DLO pipeline (the Flux demo, CPU): loaded before or after DLO is
+enabled, chosen and mixed with ``set_adapters``, bitwise equal to the resident pipeline
+with the same adapters; the adapters stay beside the streamed weights (no byte more is
+streamed), and fusing them into streamed weights is refused at the call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlo_worker.offload import enable_dlo
+from dlo_worker.offload.errors import AdapterFusingError
+from tests.support.lora import write_flux_lora
+from tests.support.tiny_models import tiny_flux
+
+ADAPTER_SETTINGS: list[tuple[list[str], list[float]]] = [
+    (["a"], [1.0]),
+    (["a", "b"], [0.7, -0.4]),
+    (["b"], [2.0]),
+]
+
+
+def _pipeline(model_dir: Path):  # type: ignore[no-untyped-def]
+    from diffusers import FluxPipeline
+
+    return FluxPipeline.from_pretrained(model_dir)
+
+
+def _image(pipeline) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        return pipeline(
+            prompt="a lighthouse at dusk",
+            num_inference_steps=2,
+            height=64,
+            width=64,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+
+
+def _load(pipeline, loras: dict[str, Path]) -> None:  # type: ignore[no-untyped-def]
+    for name, path in loras.items():
+        pipeline.load_lora_weights(path, adapter_name=name)
+
+
+def _images(pipeline) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    images = []
+    for names, scales in ADAPTER_SETTINGS:
+        pipeline.set_adapters(names, scales)
+        images.append(_image(pipeline))
+    pipeline.disable_lora()
+    images.append(_image(pipeline))
+    pipeline.enable_lora()
+    return images
+
+
+@pytest.fixture(scope="module")
+def loras(flux_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    transformer = _pipeline(flux_model_dir).transformer
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        name: write_flux_lora(transformer, root / name, seed) for name, seed in (("a", 1), ("b", 2))
+    }
+
+
+@pytest.fixture(scope="module")
+def resident(flux_model_dir: Path, loras: dict[str, Path]) -> list[torch.Tensor]:
+    pipeline = _pipeline(flux_model_dir)
+    _load(pipeline, loras)
+    return _images(pipeline)
+
+
+@pytest.fixture(scope="module")
+def bytes_streamed_without_adapters(flux_model_dir: Path) -> int:
+    """What DLO streams for as many images as :func:`_images` makes, without adapters."""
+    pipeline = _pipeline(flux_model_dir)
+    backend = enable_dlo(pipeline, device="cpu", use_allgather=False)
+    try:
+        for _ in range(len(ADAPTER_SETTINGS) + 1):
+            _image(pipeline)
+        return backend.stats().bytes_streamed
+    finally:
+        backend.disable()
+
+
+@pytest.mark.parametrize("loaded", ["before enable", "after enable"])
+def test_adapters_on_streamed_blocks_are_bitwise_equal_to_resident(
+    loaded: str,
+    flux_model_dir: Path,
+    loras: dict[str, Path],
+    resident: list[torch.Tensor],
+    bytes_streamed_without_adapters: int,
+) -> None:
+    pipeline = _pipeline(flux_model_dir)
+    if loaded == "before enable":
+        _load(pipeline, loras)
+    backend = enable_dlo(pipeline, device="cpu", use_allgather=False)
+    try:
+        if loaded == "after enable":
+            _load(pipeline, loras)
+        streamed = _images(pipeline)
+        stats = backend.stats()
+    finally:
+        backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(resident, streamed, strict=True))
+    assert len({image.sum().item() for image in resident}) == len(resident)  # each differs
+    # Adapters stay beside the streamed weights: not a byte more is streamed.
+    assert stats.bytes_streamed == bytes_streamed_without_adapters
+
+
+def test_fusing_into_streamed_weights_is_refused_and_changes_nothing(
+    flux_model_dir: Path, loras: dict[str, Path], resident: list[torch.Tensor]
+) -> None:
+    pipeline = _pipeline(flux_model_dir)
+    backend = enable_dlo(pipeline, device="cpu", use_allgather=False)
+    try:
+        _load(pipeline, loras)
+        pipeline.set_adapters(*ADAPTER_SETTINGS[0])
+        with pytest.raises(AdapterFusingError, match=r"^fuse_lora\(\) on a DiT whose blocks DLO"):
+            pipeline.fuse_lora(adapter_names=["a"])
+        with pytest.raises(AdapterFusingError, match=r"^unfuse_lora\(\)"):
+            pipeline.transformer.unfuse_lora()
+        pipeline.unfuse_lora()  # diffusers unmerges layer by layer: nothing was merged
+        assert torch.equal(_image(pipeline), resident[0])
+    finally:
+        backend.disable()
+    assert "fuse_lora" not in vars(pipeline.transformer)  # the DiT's own method is back
+
+
+def test_streamed_weights_keep_their_shape_and_show_empty_in_the_state_dict() -> None:
+    case = tiny_flux(0)
+    shapes = {name: p.shape for name, p in case.model.named_parameters()}
+    backend = enable_dlo(case.model, device="cpu", use_allgather=False)
+    try:
+        state = case.model.state_dict()
+        assert {name: p.shape for name, p in case.model.named_parameters()} == shapes
+    finally:
+        backend.disable()
+    streamed = [name for name in state if name.startswith(("transformer_blocks.", "single_"))]
+    assert streamed
+    assert all(state[name].numel() == 0 for name in streamed)
+    assert state["x_embedder.weight"].shape == shapes["x_embedder.weight"]
+    # Disabled, the streamed weights are empty: the model cannot run on placeholders.
+    assert all(p.numel() == 0 for name, p in case.model.named_parameters() if name in set(streamed))
