@@ -14,19 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.generate import ENV, STEPS, digest, generate_argv, generate_command
+from tests.support.generate import ENV, STEPS, digest, generate_command, run_generate
 from tests.support.launch import rank_logs, torchrun_command
 
 
 def run_single(model: Path, out: Path, seed: int, *flags: str) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        generate_argv(model, out, seed, *flags),
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    result = run_generate(model, out, seed, *flags)
     assert result.returncode == 0, result.stderr
     return result
 

@@ -41,6 +41,27 @@ def generate_argv(model: Path, out: Path, seed: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "dlo_worker", *generate_command(model, out, seed, *flags)]
 
 
+def run_generate(model: Path, out: Path, seed: int, *flags: str) -> subprocess.CompletedProcess:
+    """``dlo-worker generate`` in a subprocess, its output captured, whatever it exits with."""
+    return subprocess.run(
+        generate_argv(model, out, seed, *flags),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def refused_generate(model: Path, out: Path, *flags: str) -> str:
+    """Run ``generate`` that must be refused: exit 2, no traceback, no image; its stderr."""
+    result = run_generate(model, out, 0, *flags)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+    return result.stderr
+
+
 DEMO_REQUEST = {"seed": 0, "steps": 4, "class_label": 207}
 """One request to the demo model, as JSON for ``/v1/generate`` (see :func:`demo_flags`)."""
 

@@ -30,20 +30,24 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def tiny_flux(seed: int = 0, double_blocks: int = 2, single_blocks: int = 3) -> TinyCase:
+def tiny_flux(
+    seed: int = 0, double_blocks: int = 2, single_blocks: int = 3, attention_head_dim: int = 16
+) -> TinyCase:
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
+    # The rotary axes split the head dimension (4 + 6 + 6 = 16).
+    axes = (attention_head_dim // 4, 3 * attention_head_dim // 8, 3 * attention_head_dim // 8)
     model = FluxTransformer2DModel(
         patch_size=1,
         in_channels=16,
         num_layers=double_blocks,
         num_single_layers=single_blocks,
-        attention_head_dim=16,
+        attention_head_dim=attention_head_dim,
         num_attention_heads=2,
         joint_attention_dim=32,
         pooled_projection_dim=32,
-        axes_dims_rope=(4, 6, 6),
+        axes_dims_rope=axes,
     ).eval()
     g = _generator(seed + 1)
     inputs = {

@@ -318,6 +318,8 @@ def test_configuration_doc_lists_every_option_and_its_flag() -> None:
             "--enable-distributed-layerwise-offload",
             "--dlo-no-use-allgather",
         ],
+        # Repeated and comma-separated both add adapters.
+        ["--lora", "a=/loras/a:0.5", "--lora", "b=/loras/b.safetensors,c=/x:y/c:-1"],
     ],
 )
 def test_to_flags_is_the_inverse_of_parsing(capsys, argv: list[str]) -> None:
@@ -358,3 +360,30 @@ def test_the_error_line_is_the_containers_termination_message(
     (line,) = err.strip().splitlines()
     assert termination_log.read_text() == line + "\n"
     assert "not a diffusers pipeline directory" in line
+
+
+def test_lora_adapters_parse_from_the_flag(capsys) -> None:
+    code, out, _ = run(capsys, "config", "--lora", "a=/loras/a:0.5", "--lora", "b=/x:y/b")
+    assert code == 0
+    config = WorkerConfig.model_validate(json.loads(out)["config"])
+    assert [(a.name, str(a.path), a.scale) for a in config.model.lora_adapters] == [
+        ("a", "/loras/a", 0.5),
+        ("b", "/x:y/b", 1.0),  # a colon inside the path, no scale
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("a", "--lora expects NAME=PATH[:SCALE], got 'a'"),
+        ("a b=/p", "the name must be 1-64 letters"),
+        ("a=", "--lora expects NAME=PATH[:SCALE]"),
+        ("a=:0.5", "give the adapter's file or directory after '='"),
+        ("a=/p:inf", "the scale must be a number from -10 to 10"),
+        ("a=/p,a=/q", "--lora names a more than once; one each"),
+    ],
+)
+def test_bad_lora_values_exit_2_naming_the_flag(capsys, value: str, message: str) -> None:
+    code, _, err = run(capsys, "config", "--lora", value)
+    assert code == 2
+    assert message in err

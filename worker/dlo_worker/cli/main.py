@@ -116,6 +116,8 @@ def _add_model_fields(
             flag_for(name),
             dest=dest,
             default=argparse.SUPPRESS,
+            # A list that starts empty (--lora) takes the flag repeated.
+            action="append" if field.default == () else "store",
             choices=choices,
             metavar=_metavar(name, choices),
             help=help_text,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def combination_errors(config: WorkerConfig) -> list[str]:
     """Every violated compatibility rule, each naming the options involved and the fix."""
     parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
-    errors = _hsdp_errors(parallel) + _compile_errors(config)
+    errors = _hsdp_errors(parallel) + _compile_errors(config) + _lora_errors(config)
     if not offload.enable_distributed_layerwise_offload:
         errors += _dlo_options_without_dlo(offload)
         if offload.enable_cpu_offload and offload.enable_layerwise_offload:
@@ -114,6 +114,38 @@ def _allgather_errors(config: WorkerConfig) -> list[str]:
     return errors
 
 
+def _lora_errors(config: WorkerConfig) -> list[str]:
+    if config.model.lora and config.model.quantization != Quantization.NONE:
+        return [
+            f"--lora with --quantization {config.model.quantization}: LoRA adapters wrap the "
+            "DiT's nn.Linear layers, which quantization replaces; drop one of them"
+        ]
+    return []
+
+
+def _lora_execution_errors(config: WorkerConfig, policy: OffloadPolicy) -> list[str]:
+    """``--lora`` runs resident or under DLO, eager, without sequence parallelism."""
+    if not config.model.lora:
+        return []
+    errors = []
+    if policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD):
+        errors.append(
+            "--lora is not run under diffusers' offload modes by this worker release; "
+            "stream the DiT with --enable-distributed-layerwise-offload, or run resident"
+        )
+    if config.model.compile:
+        errors.append(
+            "--lora with --compile is not run by this worker release (compiled graphs "
+            "would hold the adapters); drop --compile"
+        )
+    if config.parallel.sequence_parallel_size > 1:
+        errors.append(
+            "--lora with --sequence-parallel-size > 1 is not run by this worker release; "
+            "use data parallelism"
+        )
+    return errors
+
+
 def _compile_errors(config: WorkerConfig) -> list[str]:
     model, offload = config.model, config.offload
     if not model.compile:
@@ -201,6 +233,7 @@ def execution_errors(config: WorkerConfig) -> list[str]:
             f"{flag} moves weights between host memory and a CUDA device, and --device is "
             "cpu: drop the flag (on the CPU everything is in host memory already)"
         )
+    errors += _lora_execution_errors(config, policy)
     quantization = config.model.quantization
     if quantization not in (Quantization.NONE, Quantization.FP8):
         errors.append(

@@ -16,9 +16,11 @@ from dlo_worker.config.rules import combination_errors
 from dlo_worker.config.values import (
     CompileMode,
     DType,
+    LoraAdapter,
     Options,
     Quantization,
     SkipLoad,
+    parse_lora,
 )
 from dlo_worker.errors import UserFixableError
 
@@ -62,6 +64,33 @@ class ModelOptions(Options):
         "and building kernels (Dynamo still traces each block). Default: inductor's own, "
         "under /tmp.",
     )
+
+    lora: tuple[str, ...] = Field(
+        default=(),
+        description="LoRA adapters loaded at start and applied to every image, "
+        "NAME=PATH[:SCALE] each (comma-separated, or the flag repeated): a diffusers LoRA "
+        "safetensors file or a directory holding one (diffusers converts Kohya and other "
+        "community formats); SCALE from -10 to 10, default 1.",
+    )
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _parse_loras(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple):
+            return value
+        texts = [part.strip() for item in value for part in str(item).split(",") if part.strip()]
+        adapters = [parse_lora(text) for text in texts]
+        names = [adapter.name for adapter in adapters]
+        if duplicates := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"--lora names {', '.join(duplicates)} more than once; one each")
+        return tuple(str(adapter) for adapter in adapters)
+
+    @property
+    def lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """``--lora``, parsed."""
+        return tuple(parse_lora(text) for text in self.lora)
 
     @field_validator("device")
     @classmethod

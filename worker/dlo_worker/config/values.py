@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,3 +102,48 @@ class Options(BaseModel):
     """Every option group and derived record: immutable, unknown fields refused."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+
+MAX_LORA_SCALE = 10.0
+"""The largest magnitude of a LoRA adapter's scale (diffusers' own examples stay within 2)."""
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One ``--lora NAME=PATH[:SCALE]``: an adapter loaded at start under ``name``."""
+
+    name: str
+    path: Path
+    """A LoRA safetensors file, or a directory holding diffusers' LoRA weights file."""
+    scale: float = 1.0
+
+    def __str__(self) -> str:
+        return f"{self.name}={self.path}:{self.scale:g}"
+
+
+def parse_lora(text: str) -> LoraAdapter:
+    """``NAME=PATH[:SCALE]`` as an adapter; ValueError naming the flag and the fix."""
+    name, equals, rest = text.partition("=")
+    if not equals or not rest:
+        raise ValueError(f"--lora expects NAME=PATH[:SCALE], got {text!r}")
+    if not _LORA_NAME.match(name):
+        raise ValueError(
+            f"--lora {text!r}: the name must be 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    path, colon, scale_text = rest.rpartition(":")
+    try:
+        scale = float(scale_text) if colon else 1.0
+    except ValueError:
+        colon = ""  # a colon inside the path, no scale
+    if not colon:
+        path, scale = rest, 1.0
+    if not path:
+        raise ValueError(f"--lora {text!r}: give the adapter's file or directory after '='")
+    if not math.isfinite(scale) or abs(scale) > MAX_LORA_SCALE:
+        raise ValueError(
+            f"--lora {text!r}: the scale must be a number from -{MAX_LORA_SCALE:g} to "
+            f"{MAX_LORA_SCALE:g}"
+        )
+    return LoraAdapter(name, Path(path), scale)

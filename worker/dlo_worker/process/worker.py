@@ -1,8 +1,8 @@
 """The worker's lifecycle: start up in the order below, shut down in reverse.
 
 Start: process groups, then the pipeline (on the CPU when DLO will stream it),
-then the DLO backend, then sequence parallelism's hooks on the DiTs, then (``--compile``)
-each DiT's blocks compiled. Shutdown: stop
+then the DLO backend, then sequence parallelism's hooks on the DiTs, then (``--lora``) the
+LoRA adapters, then (``--compile``) each DiT's blocks compiled. Shutdown: stop
 intake (the caller), then ``backend.disable()`` while the process groups still exist
 (it synchronizes outstanding AllGathers), then destroy the process groups. SIGTERM takes the
 same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
@@ -35,7 +35,13 @@ from dlo_worker.loader.diffusers_loader import (
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.offload.host_weights import HostWeightsError
-from dlo_worker.pipeline import compilation, diffusers_offload, quantization, sequence_parallel
+from dlo_worker.pipeline import (
+    compilation,
+    diffusers_offload,
+    lora,
+    quantization,
+    sequence_parallel,
+)
 from dlo_worker.process.devices import resolve_device, resolve_dtype
 from dlo_worker.process.topology import Topology, init_topology
 
@@ -98,6 +104,7 @@ class Worker:
         diffusers_offload.check_device(policy, self.device)
         compilation.check_device(self.config.effective().compile, self.device)
         diffusers_offload.check_model(policy, self.model_dir, DIT_COMPONENTS)
+        lora.check_files(self.config.model.lora_adapters)
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -121,6 +128,8 @@ class Worker:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
             )
+        # After DLO: adapters then live on the device beside the streamed weights.
+        lora.load_adapters(self.pipeline, self.config.model.lora_adapters)
         if (mode := self.config.effective().compile) is not None:
             # Last: DLO routes each streamed block's compile() to its forward.
             self.compiled = compilation.compile_blocks(
