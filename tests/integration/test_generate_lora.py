@@ -155,3 +155,20 @@ def test_a_pipeline_without_a_lora_loader_exits_2(
         demo_model_dir, tmp_path / "x.png", *RANK_LOCAL, "--lora", f"a={loras['a']}"
     )
     assert "--lora: DiTPipeline has no LoRA loader in diffusers; drop --lora" in stderr
+
+
+def test_use_lora_chooses_the_adapters_of_the_image(
+    flux_model_dir: Path,
+    loras: dict[str, Path],
+    resident: dict[tuple[str, int], str],
+    tmp_path: Path,
+) -> None:
+    """Both adapters loaded; ``--use-lora a`` draws what loading ``a`` alone draws."""
+    out = tmp_path / "a.png"
+    both = _adapter_flags(loras, "a+b")
+    run_single(flux_model_dir, out, 11, *PROMPT, *RANK_LOCAL, *both, "--use-lora", "a:1")
+    assert digest(out) == resident[("a", 11)]
+    stderr = refused_generate(
+        flux_model_dir, tmp_path / "x.png", *PROMPT, *both, "--use-lora", "zzz"
+    )
+    assert "loras: zzz not loaded; choose from a, b" in stderr

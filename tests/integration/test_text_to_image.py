@@ -14,8 +14,6 @@ import io
 import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +21,8 @@ import requests
 from PIL import Image
 
 from tests.support.generate import ENV, digest, generate_argv
-from tests.support.launch import rank_logs, torchrun_command
 from tests.support.ports import free_port
-from tests.support.serving import Server, serve_command
+from tests.support.serving import Server, lockstep_engine_serves, serve_command
 from tests.support.serving import digest as digest_bytes
 
 CAT = {"prompt": "a red cat", "steps": 3, "width": 64, "height": 64, "seed": 1}
@@ -142,43 +139,13 @@ def waves_by_rank(log: str) -> dict[int, tuple[str, str, bool]]:
 def test_an_allgather_engine_groups_mixed_sizes_in_lockstep_and_matches_resident_bytes(
     flux_model_dir: Path, tmp_path: Path, resident: dict[str, list[bytes]]
 ) -> None:
-    port, log_dir = free_port(), tmp_path / "logs"
-    arguments = serve_command(
-        flux_model_dir,
-        port,
-        "--enable-distributed-layerwise-offload",
-        "--data-parallel-size",
-        "2",
-    )
-    server = Server(torchrun_command(arguments, log_dir), port)
-    try:
-        server.wait_ready()
-        slow = threading.Thread(target=server.generate, args=({**CAT, "steps": 400},))
-        slow.start()
-        time.sleep(1)  # the slow request holds the engine, so the rest queue up
-        # Arrival order fixed: cat and pair share a wave (mixed sizes), negative (true CFG)
-        # runs alone, then openai and dog share one (mixed sizes again).
-        names = ["cat", "pair", "negative", "openai", "dog"]
-        served: dict[str, list[bytes]] = {}
-        senders = []
-        for name in names:
-            sender = threading.Thread(
-                target=lambda name=name: served.setdefault(name, send(server, name))
-            )
-            sender.start()
-            senders.append(sender)
-            time.sleep(0.3)
-        assert slow.is_alive(), "the slow request ended before the others queued"
-        for sender in senders:
-            sender.join(timeout=300)
-        slow.join(timeout=300)
-    finally:
-        output = server.stop()
-    assert served.keys() == set(names), output
+    # Arrival order fixed: cat and pair share a wave (mixed sizes), negative (true CFG)
+    # runs alone, then openai and dog share one (mixed sizes again).
+    names = ["cat", "pair", "negative", "openai", "dog"]
+    slow = {**CAT, "steps": 400}
+    served, logs = lockstep_engine_serves(flux_model_dir, tmp_path / "logs", slow, names, send)
     for name, pngs in served.items():
         assert pngs == resident[name], name
-    logs = rank_logs(log_dir)
-    assert sorted(logs) == [0, 1], output
     leader, follower = waves_by_rank(logs[0]), waves_by_rank(logs[1])
     assert leader.keys() == follower.keys()
     mixed = [

@@ -6,7 +6,9 @@ import hashlib
 import os
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,54 @@ class Server:
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def lockstep_engine_serves(
+    model: Path,
+    log_dir: Path,
+    slow: dict,
+    names: list[str],
+    send: Callable[[Server, str], list[bytes]],
+    *flags: str,
+) -> tuple[dict[str, list[bytes]], dict[int, str]]:
+    """A DP=2 DLO AllGather engine (lockstep waves) serving ``names`` queued behind
+    ``slow``, in that order: their images, and each rank's log."""
+    from tests.support.launch import rank_logs, torchrun_command
+    from tests.support.ports import free_port
+
+    port = free_port()
+    dlo = ("--enable-distributed-layerwise-offload", "--data-parallel-size", "2")
+    server = Server(torchrun_command(serve_command(model, port, *dlo, *flags), log_dir), port)
+    served: dict[str, list[bytes]] = {}
+    try:
+        server.wait_ready()
+        served = _queued_behind_a_slow_request(server, slow, names, send)
+    finally:
+        output = server.stop()
+    assert served.keys() == set(names), output
+    logs = rank_logs(log_dir)
+    assert sorted(logs) == [0, 1], output
+    return served, logs
+
+
+def _queued_behind_a_slow_request(
+    server: Server, slow: dict, names: list[str], send: Callable[[Server, str], list[bytes]]
+) -> dict[str, list[bytes]]:
+    """Send ``slow`` (it holds the engine), then each of ``names`` 0.3 s apart, so they
+    queue and the engine forms its next waves from them; their images."""
+    served: dict[str, list[bytes]] = {}
+    holder = threading.Thread(target=server.generate, args=(slow,))
+    holder.start()
+    time.sleep(1)
+    senders = []
+    for name in names:
+        sender = threading.Thread(
+            target=lambda name=name: served.setdefault(name, send(server, name))
+        )
+        sender.start()
+        senders.append(sender)
+        time.sleep(0.3)
+    assert holder.is_alive(), "the slow request ended before the others queued"
+    for sender in [*senders, holder]:
+        sender.join(timeout=300)
+    return served

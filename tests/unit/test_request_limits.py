@@ -144,3 +144,27 @@ def test_server_defaults_the_pipeline_cannot_take_name_their_flags() -> None:
     assert problem.startswith("--default-width: 500 is not a multiple of 16")
     (problem,) = defaults_problems(RequestDefaults(height=256), DIT)
     assert problem.startswith("--default-height: DiTPipeline draws 256x256 images only")
+
+
+@pytest.mark.parametrize(
+    ("loras", "adapters", "problem"),
+    [
+        ([{"name": "a"}], (), "loras: this worker loaded no LoRA adapters; leave loras out"),
+        ([], (), "loras: this worker loaded no LoRA adapters"),
+        ([{"name": "c"}, {"name": "d"}], ("a", "b"), "loras: c, d not loaded; choose from a, b"),
+        ([{"name": "a"}, {"name": "a"}], ("a",), "loras: a named more than once; name each once"),
+    ],
+)
+def test_adapters_a_request_names_must_be_loaded_once_each(
+    loras: list[dict], adapters: tuple[str, ...], problem: str
+) -> None:
+    limits = RequestLimits("FluxPipeline", "prompt", adapters=adapters)
+    problems = request_problems(GenerationRequest.model_validate({"loras": loras}), limits)
+    assert len(problems) == 1
+    assert problems[0].startswith(problem)
+
+
+def test_adapters_and_their_scales_are_taken_when_loaded() -> None:
+    limits = RequestLimits("FluxPipeline", "prompt", adapters=("a", "b"))
+    for loras in ([], [{"name": "a", "scale": -10.0}, {"name": "b", "scale": 10.0}]):
+        assert request_problems(GenerationRequest.model_validate({"loras": loras}), limits) == []

@@ -32,7 +32,7 @@ from dlo_worker.config import (
     execution_errors,
     flag_for,
 )
-from dlo_worker.engine.request import GenerationRequest, RequestDefaults
+from dlo_worker.engine.request import GenerationRequest, LoraChoice, RequestDefaults
 from dlo_worker.errors import UserFixableError
 from dlo_worker.observability import logs
 from dlo_worker.process import numerics
@@ -76,11 +76,18 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_model_fields(
-    parser: argparse.ArgumentParser, prefix: str, model: type[BaseModel], title: str
-) -> None:
-    """One flag per field of ``model``; values stay strings so pydantic validates them."""
+    parser: argparse.ArgumentParser,
+    prefix: str,
+    model: type[BaseModel],
+    title: str,
+    own_flags: frozenset[str] = frozenset(),
+) -> argparse._ArgumentGroup:
+    """One flag per field of ``model`` but ``own_flags`` (the caller spells those); values
+    stay strings so pydantic validates them."""
     group = parser.add_argument_group(title)
     for name, field in model.model_fields.items():
+        if name in own_flags:
+            continue
         dest = f"{prefix}.{name}"
         help_text = f"{field.description} (default: {_default_text(field.default)})"
         if field.annotation is bool:
@@ -122,6 +129,7 @@ def _add_model_fields(
             metavar=_metavar(name, choices),
             help=help_text,
         )
+    return group
 
 
 def _enum_choices(annotation: Any) -> list[str] | None:
@@ -157,10 +165,33 @@ def config_from_args(namespace: argparse.Namespace) -> WorkerConfig:
 
 
 def request_from_args(namespace: argparse.Namespace) -> GenerationRequest:
+    values = _grouped_values(namespace, _REQUEST_PREFIX)
+    if (chosen := getattr(namespace, "use_lora", None)) is not None:
+        values["loras"] = [_lora_choice(text) for text in chosen]
     try:
-        return GenerationRequest.model_validate(_grouped_values(namespace, _REQUEST_PREFIX))
+        return GenerationRequest.model_validate(values)
     except ValidationError as error:
-        raise ConfigError(describe_validation_error(error)) from None
+        message = describe_validation_error(error).replace("--loras", "--use-lora")
+        raise ConfigError(message) from None
+
+
+def _lora_choice(text: str) -> dict[str, object]:
+    """``--use-lora NAME[:SCALE]`` as a request's adapter choice."""
+    name, colon, scale = text.rpartition(":")
+    if not colon:
+        return {"name": text}
+    try:
+        return {"name": name, "scale": float(scale)}
+    except ValueError:
+        raise UsageError(f"--use-lora expects NAME[:SCALE], got {text!r}") from None
+
+
+def adapter_defaults(config: WorkerConfig) -> tuple[LoraChoice, ...] | None:
+    """What a request that names no adapters runs with: every ``--lora`` at its scale."""
+    adapters = config.model.lora_adapters
+    if not adapters:
+        return None
+    return tuple(LoraChoice(name=adapter.name, scale=adapter.scale) for adapter in adapters)
 
 
 def _warn_effective(config: WorkerConfig) -> None:
@@ -222,6 +253,8 @@ def _executable_config(args: argparse.Namespace) -> WorkerConfig:
 def _command_generate(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     config = _executable_config(args)
+    # A request that names no adapters runs every --lora adapter.
+    request = RequestDefaults(loras=adapter_defaults(config)).apply(request)
     _check_outputs(args.out, config, request.num_images, make_parents=args.make_parents)
 
     from dlo_worker.engine.generation import (
@@ -235,7 +268,9 @@ def _command_generate(args: argparse.Namespace) -> int:
 
     def check_request(pipeline: DiffusionPipeline) -> None:
         """Before the weights load: the request is one this pipeline can take."""
-        limits = request_limits(pipeline, config.parallel.sequence_parallel_size)
+        limits = request_limits(
+            pipeline, config.parallel.sequence_parallel_size, config.model.lora_names
+        )
         if problems := request_problems(request, limits):
             raise UsageError("; ".join(problems))
 
@@ -297,7 +332,7 @@ def _command_serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_queued_requests=args.max_queued_requests,
         api_key=api_key.strip() if api_key else None,
-        defaults=_request_defaults(args),
+        defaults=_request_defaults(args, config),
     )
     serve(config, options)
     from dlo_worker.cli.launch import record_exit
@@ -306,8 +341,9 @@ def _command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request_defaults(args: argparse.Namespace) -> RequestDefaults:
-    """``--default-*`` as request defaults, held to the request schema's bounds."""
+def _request_defaults(args: argparse.Namespace, config: WorkerConfig) -> RequestDefaults:
+    """``--default-*`` as request defaults, held to the request schema's bounds, and the
+    ``--lora`` adapters as the adapters of a request that names none."""
     given = {
         field: getattr(args, f"default_{field}")
         for field in ("steps", "width", "height")
@@ -320,7 +356,7 @@ def _request_defaults(args: argparse.Namespace) -> RequestDefaults:
             f"--default-{problem['loc'][0]}: {problem['msg']}" for problem in error.errors()
         ]
         raise UsageError("; ".join(problems)) from None
-    return RequestDefaults(**given)
+    return RequestDefaults(**given, loras=adapter_defaults(config))
 
 
 def _command_launch(args: argparse.Namespace) -> int:
@@ -490,7 +526,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Create missing parent directories of --out (default: refuse).",
     )
-    _add_model_fields(generate_parser, _REQUEST_PREFIX, GenerationRequest, "request options")
+    request_options = _add_model_fields(
+        generate_parser,
+        _REQUEST_PREFIX,
+        GenerationRequest,
+        "request options",
+        own_flags=frozenset({"loras"}),
+    )
+    request_options.add_argument(
+        "--use-lora",
+        action="append",
+        metavar="NAME[:SCALE]",
+        help="A --lora adapter this image uses, at SCALE (default 1); repeat for several. "
+        "Default: every --lora adapter at its scale.",
+    )
     _add_config_options(generate_parser)
     generate_parser.set_defaults(handler=_command_generate)
 

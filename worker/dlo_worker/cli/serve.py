@@ -102,11 +102,14 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
             # Worker.shutdown restores the handler that was installed before the worker.
             signal.signal(signal.SIGTERM, drain_on_sigterm)
             metrics.HOST_BACKING.info({"backing": str(worker.backing.backing)})
+            metrics.LORA_ADAPTERS.set(len(config.model.lora_names))
             logger.info(
                 "host backing",
                 extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
             )
-            limits = request_limits(worker.pipeline, config.parallel.sequence_parallel_size)
+            limits = request_limits(
+                worker.pipeline, config.parallel.sequence_parallel_size, config.model.lora_names
+            )
             if problems := defaults_problems(options.defaults, limits):
                 raise ServeDefaultsError("; ".join(problems))
             state.set_limits(limits)

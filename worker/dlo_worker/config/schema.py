@@ -92,6 +92,11 @@ class ModelOptions(Options):
         """``--lora``, parsed."""
         return tuple(parse_lora(text) for text in self.lora)
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The names ``--lora`` loads adapters under."""
+        return tuple(adapter.name for adapter in self.lora_adapters)
+
     @field_validator("device")
     @classmethod
     def _device_is_known(cls, value: str) -> str:

@@ -20,6 +20,7 @@ from dlo_worker.engine.images import check_output_path, new_file_mode
 from dlo_worker.engine.request import GenerationRequest, Guidance, RequestLimits
 from dlo_worker.errors import UserFixableError
 from dlo_worker.observability import metrics
+from dlo_worker.pipeline import lora
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -68,11 +69,16 @@ def pipeline_arguments(pipeline: DiffusionPipeline, request: GenerationRequest) 
     }
 
 
-def request_limits(pipeline: DiffusionPipeline, sequence_parallel_size: int = 1) -> RequestLimits:
+def request_limits(
+    pipeline: DiffusionPipeline,
+    sequence_parallel_size: int = 1,
+    adapters: tuple[str, ...] = (),
+) -> RequestLimits:
     """What requests the loaded pipeline takes, read from its call signature and its
     components' configs: conditioning, guidance, size rules and, for class-conditional
     DiTs, the number of classes its label embedding holds. With sequence parallelism the
-    image's patches must split evenly over the SP ranks."""
+    image's patches must split evenly over the SP ranks. ``adapters`` are the names of the
+    LoRA adapters the worker loads (``--lora``)."""
     accepted = inspect.signature(pipeline.__call__).parameters
     name = type(pipeline).__name__
     transformer_config = _config_of(getattr(pipeline, "transformer", None))
@@ -95,6 +101,7 @@ def request_limits(pipeline: DiffusionPipeline, sequence_parallel_size: int = 1)
             int(classes) if classes else None,
             takes_num_images=True,
             default_size=(side, side) if side else None,
+            adapters=adapters,
         )
     takes_true_cfg = "true_cfg_scale" in accepted
     if "guidance_scale" not in accepted:
@@ -116,6 +123,7 @@ def request_limits(pipeline: DiffusionPipeline, sequence_parallel_size: int = 1)
         size_multiple=multiple,
         max_side=2 * side if side else 2048,
         token_split=sequence_parallel_size,
+        adapters=adapters,
     )
 
 
@@ -131,6 +139,8 @@ def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> 
     Raises :class:`NonFiniteOutputError` (counted in ``dlo_nonfinite_outputs_total``) when
     a decoded image holds NaN or infinity, instead of returning a black image.
     """
+    if request.loras is not None:
+        lora.select_adapters(pipeline, [(choice.name, choice.scale) for choice in request.loras])
     images = pipeline(**pipeline_arguments(pipeline, request)).images
     finite = np.isfinite(images)
     if not finite.all():

@@ -17,8 +17,27 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dlo_worker.config.values import MAX_LORA_SCALE
+
 MAX_IMAGES_PER_REQUEST = 8
 MAX_PROMPT_CHARACTERS = 10_000
+MAX_LORAS_PER_REQUEST = 8
+
+
+class LoraChoice(BaseModel):
+    """One LoRA adapter a request runs with: a name the worker loaded it under (``--lora
+    NAME=PATH``) and its scale."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, description="A loaded adapter's name.")
+    scale: float = Field(
+        default=1.0,
+        ge=-MAX_LORA_SCALE,
+        le=MAX_LORA_SCALE,
+        allow_inf_nan=False,
+        description=f"Its scale, -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}.",
+    )
 
 
 class GenerationRequest(BaseModel):
@@ -68,6 +87,12 @@ class GenerationRequest(BaseModel):
     num_images: int = Field(
         default=1, ge=1, le=MAX_IMAGES_PER_REQUEST, description="Images for this request."
     )
+    loras: tuple[LoraChoice, ...] | None = Field(
+        default=None,
+        max_length=MAX_LORAS_PER_REQUEST,
+        description="LoRA adapters for this request, each a loaded adapter's name with a "
+        "scale; [] for none. Left out: every --lora adapter at its scale.",
+    )
 
 
 def wave_key(request: GenerationRequest) -> tuple[int, float, float, bool]:
@@ -77,7 +102,8 @@ def wave_key(request: GenerationRequest) -> tuple[int, float, float, bool]:
     The number of steps fixes the denoising loop; guidance can add an unconditional pass
     on some pipelines, and a negative prompt with ``true_cfg_scale`` > 1 adds one on
     guidance-distilled ones. Size, ``num_images``, seeds and conditioning change only the
-    activations, never the block sequence, so such requests share waves.
+    activations, never the block sequence, so such requests share waves; so do LoRA
+    adapters, which each rank keeps on its device and applies inside the blocks.
     """
     return (
         request.steps,
@@ -109,6 +135,8 @@ class RequestDefaults:
     steps: int | None = None
     width: int | None = None
     height: int | None = None
+    loras: tuple[LoraChoice, ...] | None = None
+    """Every ``--lora`` adapter at its scale (``None`` without adapters)."""
 
     def apply(self, request: GenerationRequest) -> GenerationRequest:
         given = request.model_dump(exclude_unset=True)
@@ -161,6 +189,8 @@ class RequestLimits:
     takes_num_images: bool = False
     default_size: tuple[int, int] | None = None
     """(width, height) the pipeline draws without a size."""
+    adapters: tuple[str, ...] = ()
+    """The names of the LoRA adapters the worker loaded (``--lora``)."""
     size_multiple: int = 8
     """A side in pixels is a whole number of latent patches of this many pixels."""
     max_side: int = 2048
@@ -176,7 +206,27 @@ def request_problems(request: GenerationRequest, limits: RequestLimits) -> list[
         *_conditioning_problems(request, given, limits),
         *_guidance_problems(request, given, limits),
         *_size_problems(request, given, limits),
+        *_lora_problems(request, limits),
     ]
+
+
+def _lora_problems(request: GenerationRequest, limits: RequestLimits) -> list[str]:
+    if request.loras is None:
+        return []
+    if not limits.adapters:
+        return [
+            "loras: this worker loaded no LoRA adapters; leave loras out, or start it "
+            "with --lora NAME=PATH"
+        ]
+    names = [choice.name for choice in request.loras]
+    problems = []
+    if unknown := [name for name in dict.fromkeys(names) if name not in limits.adapters]:
+        problems.append(
+            f"loras: {', '.join(unknown)} not loaded; choose from {', '.join(limits.adapters)}"
+        )
+    if repeated := [name for name in dict.fromkeys(names) if names.count(name) > 1]:
+        problems.append(f"loras: {', '.join(repeated)} named more than once; name each once")
+    return problems
 
 
 def _conditioning_problems(

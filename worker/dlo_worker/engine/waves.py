@@ -342,7 +342,7 @@ class Engine:
         except Exception as error:  # a failed request must not take the engine down
             logger.exception("request failed", extra={"fields": {"rank": self.rank}})
             return f"{type(error).__name__}: {error}"
-        fields = {
+        fields: dict[str, object] = {
             "rank": self.rank,
             "lane": self.lane,
             "wave": number,
@@ -354,6 +354,9 @@ class Engine:
             "discarded": discarded,
             "seconds": round(time.monotonic() - started, 3),
         }
+        if request.loras is not None:  # name:scale of each adapter, "-" for none
+            choices = (f"{choice.name}:{choice.scale:g}" for choice in request.loras)
+            fields["loras"] = ",".join(choices) or "-"
         logger.info("request done", extra={"fields": fields})
         return None if discarded or not self.reports else pngs
 

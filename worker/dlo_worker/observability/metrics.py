@@ -78,6 +78,7 @@ NONFINITE_OUTPUTS = Counter(
     "Generations whose decoded image held NaN or infinity (refused, not written).",
 )
 HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")
+LORA_ADAPTERS = Gauge("dlo_lora_adapters", "LoRA adapters loaded (--lora).")
 COMPILED_BLOCKS = Gauge("dlo_compiled_blocks", "DiT blocks compiled by --compile.")
 COMPILE_FIRST_FORWARD_SECONDS = Gauge(
     "dlo_compile_first_forward_seconds",

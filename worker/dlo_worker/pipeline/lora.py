@@ -103,6 +103,18 @@ def _load(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter)
     )
 
 
+def select_adapters(pipeline: object, choices: Sequence[tuple[str, float]]) -> None:
+    """Make exactly ``choices`` (loaded adapters' names and scales) active for the next
+    run; none disables LoRA. Adapters are resident, so switching moves no weights."""
+    if not choices:
+        pipeline.disable_lora()  # type: ignore[attr-defined]
+        return
+    pipeline.enable_lora()  # type: ignore[attr-defined]
+    pipeline.set_adapters(  # type: ignore[attr-defined]
+        [name for name, _ in choices], [scale for _, scale in choices]
+    )
+
+
 def adapted_layers(pipeline: object, name: str) -> int:
     """How many layers of the pipeline's components carry adapter ``name``."""
     from peft.tuners.tuners_utils import BaseTunerLayer

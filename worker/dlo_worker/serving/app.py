@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/v1/generate"
 MODELS_PATH = "/v1/models"
+LORAS_PATH = "/v1/loras"
 RETRY_AFTER_S = 5
 
 
@@ -204,6 +205,20 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
         return {
             "object": "list",
             "data": [{"id": state.model_name, "object": "model", "owned_by": "dlo-worker"}],
+        }
+
+    @app.get(LORAS_PATH)
+    async def loras(request: Request) -> dict:
+        """The loaded LoRA adapters, each with the scale a request naming none runs it at."""
+        _authorize(request, state)
+        limits = state.limits
+        default_scales = {choice.name: choice.scale for choice in state.defaults.loras or ()}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "lora", "default_scale": default_scales.get(name)}
+                for name in (limits.adapters if limits is not None else ())
+            ],
         }
 
     @app.post(GENERATE_PATH)

@@ -18,6 +18,7 @@ from dlo_worker.engine.request import (
     MAX_IMAGES_PER_REQUEST,
     MAX_PROMPT_CHARACTERS,
     GenerationRequest,
+    LoraChoice,
 )
 
 IMAGES_PATH = "/v1/images/generations"
@@ -26,7 +27,8 @@ _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 
 class ImagesRequest(BaseModel):
     """OpenAI's image-generation body, plus this worker's request fields as extensions
-    (``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``, ``true_cfg_scale``)."""
+    (``negative_prompt``, ``seed``, ``steps``, ``guidance_scale``, ``true_cfg_scale``,
+    ``loras``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -47,6 +49,7 @@ class ImagesRequest(BaseModel):
     steps: int | None = None
     guidance_scale: float | None = None
     true_cfg_scale: float | None = None
+    loras: tuple[LoraChoice, ...] | None = None
 
     @field_validator("size")
     @classmethod
