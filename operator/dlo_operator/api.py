@@ -231,6 +231,68 @@ class Compile(_Api):
     )
 
 
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+MAX_LORAS = 16
+MAX_PATH_LENGTH = 1024
+
+
+class Lora(_Api):
+    """A LoRA adapter every engine loads at start (the worker's ``--lora``), mounted
+    read-only; exactly one source."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "[has(self.hostPath), has(self.persistentVolumeClaim), "
+                    "has(self.imagePath)].filter(x, x).size() == 1",
+                    "message": "set exactly one of hostPath, persistentVolumeClaim, imagePath",
+                },
+                {
+                    "rule": "!has(self.subPath) || has(self.persistentVolumeClaim)",
+                    "message": "subPath applies to persistentVolumeClaim only",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(
+        pattern=LORA_NAME_PATTERN,
+        max_length=64,
+        description="The name requests choose it by (loras[].name); unique in the list.",
+    )
+    scale: float = Field(
+        default=1.0,
+        ge=-10.0,
+        le=10.0,
+        description="Its scale in requests that name no adapters (every adapter applies).",
+    )
+    # Path lengths bounded so the API server's CEL cost estimate fits a list of adapters.
+    host_path: str | None = _absolute_path(
+        "A LoRA safetensors file, or a directory holding one, on every node.",
+        default=None,
+        max_length=MAX_PATH_LENGTH,
+    )
+    persistent_volume_claim: str | None = Field(
+        default=None, min_length=1, description="Name of a PVC in the same namespace."
+    )
+    sub_path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_PATH_LENGTH,
+        description="The adapter's file or directory inside the PVC (default: its root).",
+        json_schema_extra=_cel(
+            "!self.startsWith('/') && !self.matches('(^|/)[.][.](/|$)')",
+            "must be a relative path without '..'",
+        ),
+    )
+    image_path: str | None = _absolute_path(
+        "Path of an adapter baked into the worker image (no volume).",
+        default=None,
+        max_length=MAX_PATH_LENGTH,
+    )
+
+
 class Parallelism(_Api):
     """Parallel sizes of one engine; its world size is data x sequence x tensor."""
 
@@ -499,6 +561,16 @@ class DiffusionDeploymentSpec(_Api):
     )
     offload: Offload = Field(default=Offload(), description="Distributed layerwise offload.")
     compile: Compile = Field(default=Compile(), description="Compiled DiT blocks.")
+    loras: list[Lora] = Field(
+        default_factory=list,
+        max_length=MAX_LORAS,
+        description="LoRA adapters every engine loads at start; requests choose among them "
+        "(all apply by default). A change rolls the engines.",
+        json_schema_extra=_cel(
+            "self.all(x, self.exists_one(y, y.name == x.name))",
+            "each LoRA adapter needs a name of its own",
+        ),
+    )
     resources: Resources = Field(default=Resources(), description="CPU, memory and disk per Pod.")
     shm_size: Quantity = Field(default="16Gi", description="Size of the memory-backed /dev/shm.")
     scheduling: Scheduling = Field(default=Scheduling(), description="Where worker Pods run.")

@@ -16,7 +16,7 @@ from decimal import Decimal
 from kubernetes.utils import parse_quantity
 from pydantic import BaseModel
 
-from dlo_operator.api import Accelerator, DiffusionDeploymentSpec
+from dlo_operator.api import Accelerator, DiffusionDeploymentSpec, Lora
 from dlo_worker.config import (
     NEGATIVE_FLAGS,
     ConfigError,
@@ -29,6 +29,8 @@ from dlo_worker.config import (
     flag_for,
 )
 
+LORA_MOUNT_ROOT = "/var/lib/dlo/loras"
+"""Where each mounted LoRA adapter appears, at ``<root>/<name>``, in every container."""
 RUNTIME_CACHE_MOUNT_PATH = "/var/cache/dlo-worker"
 """Where the node's runtime-cache hostPath appears inside every worker container."""
 COMPILE_CACHE_MOUNT_PATH = "/var/cache/dlo-compile"
@@ -74,6 +76,15 @@ def compile_cache_dir(spec: DiffusionDeploymentSpec) -> str | None:
     return COMPILE_CACHE_MOUNT_PATH
 
 
+def lora_path(lora: Lora) -> str:
+    """The adapter's path as the worker sees it: in the image, or where it is mounted."""
+    return lora.image_path or f"{LORA_MOUNT_ROOT}/{lora.name}"
+
+
+def _loras(spec: DiffusionDeploymentSpec) -> tuple[str, ...]:
+    return tuple(f"{lora.name}={lora_path(lora)}:{lora.scale:g}" for lora in spec.loras)
+
+
 def _block_paths(spec: DiffusionDeploymentSpec) -> tuple[str, ...] | None:
     return tuple(spec.offload.block_paths) if spec.offload.block_paths else None
 
@@ -86,6 +97,7 @@ CRD_FIELDS: dict[str, CrdField] = {
     "compile": CrdField("compile.enabled", lambda spec: spec.compile.enabled),
     "compile_mode": CrdField("compile.mode", lambda spec: spec.compile.mode),
     "compile_cache_dir": CrdField("compile.enabled", compile_cache_dir),
+    "lora": CrdField("loras", _loras),
     "data_parallel_size": CrdField("parallelism.data", lambda spec: spec.parallelism.data),
     "sequence_parallel_size": CrdField(
         "parallelism.sequence", lambda spec: spec.parallelism.sequence

@@ -59,6 +59,20 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
             {"podMetadata": {"labels": {"dlo.dev/engine": "7"}}},
             "podMetadata.labels: keys under dlo.dev/ are the operator's own",
         ),
+        (
+            {"loras": [{"name": "a", "imagePath": "/a"}, {"name": "a", "hostPath": "/b"}]},
+            "each LoRA adapter needs a name of its own",
+        ),
+        ({"loras": [{"name": "a", "hostPath": "/a", "imagePath": "/b"}]}, "set exactly one of"),
+        (
+            {"loras": [{"name": "a", "hostPath": "/a", "subPath": "x"}]},
+            "subPath applies to persistentVolumeClaim only",
+        ),
+        (
+            {"loras": [{"name": "a", "persistentVolumeClaim": "c", "subPath": "../x"}]},
+            "must be a relative path without '..'",
+        ),
+        ({"loras": [{"name": "a", "imagePath": "/a", "scale": 11}]}, "spec.loras[0].scale"),
     ],
     ids=[
         "world-size",
@@ -74,6 +88,11 @@ def test_scale_subresource_changes_replicas(api_client, crd, namespace) -> None:
         "reserved-env-prefix",
         "env-value-and-value-from",
         "operator-label",
+        "lora-names",
+        "lora-sources",
+        "lora-sub-path-without-claim",
+        "lora-sub-path-dotdot",
+        "lora-scale",
     ],
 )
 def test_invalid_specs_are_refused_by_the_api_server(

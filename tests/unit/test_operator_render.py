@@ -539,3 +539,55 @@ def test_an_engine_without_compile_gets_no_compile_cache() -> None:
     pod = leader(spec())
     assert "--compile-cache-dir" not in container(pod)["command"]
     assert all(v["name"] != "compile-cache" for v in pod["spec"]["volumes"])
+
+
+LORAS = [
+    {"name": "style", "scale": 0.7, "hostPath": "/srv/loras/style.safetensors"},
+    {"name": "faces", "persistentVolumeClaim": "adapters", "subPath": "faces/v2"},
+    {"name": "baked", "scale": -1.5, "imagePath": "/opt/loras/baked"},
+]
+
+
+def test_spec_loras_are_mounted_read_only_and_reach_the_worker_as_its_flags() -> None:
+    variant = spec(loras=LORAS)
+    validate(variant)
+    config = config_from_args(build_parser().parse_args(worker_arguments(variant)))
+    assert [(a.name, str(a.path), a.scale) for a in config.model.lora_adapters] == [
+        ("style", "/var/lib/dlo/loras/style", 0.7),
+        ("faces", "/var/lib/dlo/loras/faces", 1.0),
+        ("baked", "/opt/loras/baked", -1.5),  # in the image: no volume
+    ]
+    for pod in render_engine_pods(OWNER, variant, 0):  # every rank loads them
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"] if v["name"].startswith("lora")}
+        assert volumes == {
+            "lora-0": {"name": "lora-0", "hostPath": {"path": "/srv/loras/style.safetensors"}},
+            "lora-1": {
+                "name": "lora-1",
+                "persistentVolumeClaim": {"claimName": "adapters", "readOnly": True},
+            },
+        }
+        mounts = [m for m in container(pod)["volumeMounts"] if m["name"].startswith("lora")]
+        assert mounts == [
+            {"name": "lora-0", "mountPath": "/var/lib/dlo/loras/style", "readOnly": True},
+            {
+                "name": "lora-1",
+                "mountPath": "/var/lib/dlo/loras/faces",
+                "readOnly": True,
+                "subPath": "faces/v2",
+            },
+        ]
+
+
+def test_a_change_of_adapters_rolls_the_engines() -> None:
+    assert spec_hash(spec(loras=LORAS[:1])) != spec_hash(spec(loras=LORAS[:2]))
+    changed_scale = [{**LORAS[0], "scale": 0.8}]
+    assert spec_hash(spec(loras=LORAS[:1])) != spec_hash(spec(loras=changed_scale))
+
+
+def test_loras_the_worker_cannot_run_are_refused_in_crd_terms() -> None:
+    with pytest.raises(InvalidSpecError, match=r"^loras with quantization fp8: LoRA adapters"):
+        validate(spec(loras=LORAS[:1], quantization="fp8"))
+    with pytest.raises(InvalidSpecError, match=r"loras names style more than once"):
+        validate(spec(loras=[LORAS[0], {**LORAS[2], "name": "style"}]))
+    with pytest.raises(ValidationError):
+        spec(loras=[{"name": "bad name", "imagePath": "/x"}])

@@ -13,6 +13,7 @@ from dlo_operator.workerconfig import (
     COMPILE_CACHE_MOUNT_PATH,
     RUNTIME_CACHE_MOUNT_PATH,
     compile_cache_dir,
+    lora_path,
     memory_floor_bytes,
     runtime_cache_mounted,
 )
@@ -97,6 +98,19 @@ def volumes_and_mounts(spec: DiffusionDeploymentSpec) -> tuple[list[dict], list[
             }
         )
         mounts.append({"name": "runtime-cache", "mountPath": RUNTIME_CACHE_MOUNT_PATH})
+    for index, lora in enumerate(spec.loras):
+        if lora.image_path:
+            continue  # in the image: nothing to mount
+        volume = f"lora-{index}"
+        if lora.host_path:
+            volumes.append({"name": volume, "hostPath": {"path": lora.host_path}})
+        else:
+            claim = {"claimName": lora.persistent_volume_claim, "readOnly": True}
+            volumes.append({"name": volume, "persistentVolumeClaim": claim})
+        mount = {"name": volume, "mountPath": lora_path(lora), "readOnly": True}
+        if lora.sub_path:
+            mount["subPath"] = lora.sub_path
+        mounts.append(mount)
     if compile_cache_dir(spec) == COMPILE_CACHE_MOUNT_PATH:
         volumes.append({"name": "compile-cache", "emptyDir": {}})
         mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT_PATH})
