@@ -5,14 +5,17 @@ streamed), and fusing them into streamed weights is refused at the call."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import torch
 
 from dlo_worker.offload import enable_dlo
+from dlo_worker.offload.adapters import adapter_parameters
 from dlo_worker.offload.errors import AdapterFusingError
-from tests.support.lora import write_flux_lora
+from tests.support.lora import ATTENTION_PROJECTIONS, write_flux_lora
 from tests.support.tiny_models import tiny_flux
 
 ADAPTER_SETTINGS: list[tuple[list[str], list[float]]] = [
@@ -144,3 +147,53 @@ def test_streamed_weights_keep_their_shape_and_show_empty_in_the_state_dict() ->
     assert state["x_embedder.weight"].shape == shapes["x_embedder.weight"]
     # Disabled, the streamed weights are empty: the model cannot run on placeholders.
     assert all(p.numel() == 0 for name, p in case.model.named_parameters() if name in set(streamed))
+
+
+def _bytes(parameters: Iterable[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in parameters)
+
+
+def test_adapters_count_in_the_gpu_memory_budget() -> None:
+    """A budget that holds every block when adapters are ignored cannot once they count."""
+    from peft import LoraConfig
+
+    case = tiny_flux(0)
+    model = case.model
+    config = LoraConfig(r=16, lora_alpha=16, target_modules=list(ATTENTION_PROJECTIONS))
+    model.add_adapter(config, adapter_name="a")  # type: ignore[operator]
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]  # type: ignore[misc]
+    adapter = {id(p) for block in blocks for p in adapter_parameters(block)}
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    base = [_bytes(p for p in block.parameters() if id(p) not in adapter) for block in blocks]
+    non_block = _bytes(p for p in model.parameters() if id(p) not in in_blocks)
+    non_block += _bytes(model.buffers())
+    adapter_bytes = _bytes(p for p in model.parameters() if id(p) in adapter)
+    assert adapter_bytes > min(base)  # the adapters need the room of a block
+    everything = non_block + 2 * max(base) + sum(base)
+
+    def resident_blocks(budget: int) -> int:
+        fresh = copy.deepcopy(model)
+        backend = enable_dlo(
+            fresh, device="cpu", use_allgather=False, gpu_memory_budget_gib=budget / 2**30
+        )
+        try:
+            return backend.stats().resident_blocks
+        finally:
+            backend.disable()
+
+    assert resident_blocks(everything) < len(blocks)
+    assert resident_blocks(everything + adapter_bytes) == len(blocks)
+
+
+def test_the_worker_counts_adapters_it_loads_after_enable_from_their_files(
+    loras: dict[str, Path],
+) -> None:
+    from safetensors.torch import load_file
+
+    from dlo_worker.config import LoraAdapter
+    from dlo_worker.pipeline.lora import device_bytes
+
+    file = loras["b"] / "pytorch_lora_weights.safetensors"
+    numel = sum(t.numel() for t in load_file(file).values())
+    adapters = [LoraAdapter("a", loras["a"]), LoraAdapter("b", file, 0.5)]
+    assert device_bytes(adapters, torch.bfloat16) == 2 * 2 * numel  # same shapes, 2 bytes

@@ -36,8 +36,12 @@ class OffloadConfig:
     """The DLO weight-sharding group; ``None`` (or size one) streams rank-locally."""
     resident_layers: int = 0
     gpu_memory_budget_bytes: int | None = None
-    """Device bytes for the DiT weights (non-block weights, slots, resident blocks); the
-    backend keeps as many blocks resident as fit. Excludes ``resident_layers``."""
+    """Device bytes for the DiT weights (non-block weights, LoRA adapters, slots, resident
+    blocks); the backend keeps as many blocks resident as fit. Excludes
+    ``resident_layers``."""
+    adapter_bytes: int = 0
+    """Device bytes of LoRA adapters that will be loaded after enable (the worker's
+    ``--lora``), counted in the budget like the adapters the blocks already hold."""
     block_paths: Sequence[str] | None = None
     """Attribute paths of the DiT's block lists, overriding discovery."""
     allgather_shard_buffers: int = 4
@@ -71,6 +75,8 @@ class OffloadConfig:
             raise ValueError(
                 f"allgather_shard_buffers must be >= 2, got {self.allgather_shard_buffers}"
             )
+        if self.adapter_bytes < 0:
+            raise ValueError(f"adapter_bytes must be >= 0, got {self.adapter_bytes}")
         if self.pin_limit_bytes < 0:
             raise ValueError(f"pin_limit_bytes must be >= 0, got {self.pin_limit_bytes}")
         if self.staging_buffers < 2:

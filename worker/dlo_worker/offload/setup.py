@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dlo_worker.offload import adapters
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter, coalesce
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.errors import OffloadSetupError
@@ -43,20 +44,27 @@ def choose_resident(plan: OffloadPlan, config: OffloadConfig) -> set[int]:
             for index in spread_evenly(len(dit.blocks), config.resident_layers)
         }
     blocks = [block for dit in plan.dits for _, block in dit.blocks]
-    block_bytes = [parameter_bytes(block.parameters()) for block in blocks]
-    block_ids = {id(p) for block in blocks for p in block.parameters()}
+    # LoRA adapters stay on the device whether their block streams or not: counted with
+    # the non-block weights, never in a block's bytes (nor in the slots).
+    adapter_ids = {id(p) for block in blocks for p in adapters.adapter_parameters(block)}
+    block_bytes = [
+        parameter_bytes(p for p in block.parameters() if id(p) not in adapter_ids)
+        for block in blocks
+    ]
+    block_ids = {id(p) for block in blocks for p in block.parameters()} - adapter_ids
     non_block = sum(
         parameter_bytes(p for p in dit.module.parameters() if id(p) not in block_ids)
         + parameter_bytes(dit.module.buffers())
         for dit in plan.dits
     )
+    non_block += config.adapter_bytes
     slots = 2 * max(block_bytes, default=0)
     available = budget - non_block - slots
     if available < 0:
         raise OffloadSetupError(
             f"--dlo-gpu-memory-budget-gib {budget / 2**30:.2f} cannot hold the DiT's "
-            f"non-block weights ({non_block / 2**30:.2f} GiB) and the two slots "
-            f"({slots / 2**30:.2f} GiB); raise it to at least "
+            f"non-block weights and LoRA adapters ({non_block / 2**30:.2f} GiB) and the two "
+            f"slots ({slots / 2**30:.2f} GiB); raise it to at least "
             f"{(non_block + slots) / 2**30:.2f} GiB"
         )
     chosen = resident_within_budget(block_bytes, available)

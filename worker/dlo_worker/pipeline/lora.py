@@ -15,9 +15,13 @@ the rest of the adapter).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
+import torch
+from safetensors import safe_open
 from torch import nn
 
 from dlo_worker.config import LoraAdapter
@@ -49,6 +53,41 @@ def check_files(adapters: Sequence[LoraAdapter]) -> None:
                 f"--lora {adapter}: {adapter.path} does not exist; give a LoRA safetensors "
                 "file or a directory holding one"
             )
+
+
+def device_bytes(adapters: Sequence[LoraAdapter], dtype: torch.dtype) -> int:
+    """Device bytes the adapters take once loaded in ``dtype``: every tensor of their
+    files, read from the headers (a text-encoder part included, so never less)."""
+    total = 0
+    for adapter in adapters:
+        path = _weights_file(adapter)
+        try:
+            with safe_open(str(path), framework="pt") as weights:
+                total += sum(
+                    math.prod(weights.get_slice(key).get_shape())
+                    for key in weights.keys()  # noqa: SIM118 (a safe_open handle, not a dict)
+                )
+        except Exception as error:  # a header that does not parse is this file's problem
+            raise LoraSetupError(
+                f"--lora {adapter}: cannot load it ({type(error).__name__}: {error}); give "
+                "a LoRA safetensors file"
+            ) from error
+    return total * dtype.itemsize
+
+
+def _weights_file(adapter: LoraAdapter) -> Path:
+    """The adapter's safetensors file: the path itself, or the one its directory holds
+    (diffusers' ``pytorch_lora_weights.safetensors`` first)."""
+    if adapter.path.is_file():
+        return adapter.path
+    default = adapter.path / "pytorch_lora_weights.safetensors"
+    candidates = [default] if default.is_file() else sorted(adapter.path.glob("*.safetensors"))
+    if len(candidates) != 1:
+        raise LoraSetupError(
+            f"--lora {adapter}: {adapter.path} holds {len(candidates)} safetensors files; "
+            "give the adapter's file itself"
+        )
+    return candidates[0]
 
 
 def load_adapters(pipeline: object, adapters: Sequence[LoraAdapter]) -> None:

@@ -156,7 +156,11 @@ class Worker:
         return self._backing
 
     def _enable_dlo(self, host_weights: MappedCheckpoint | RuntimeCacheEntry | None) -> None:
-        offload_config = offload_config_for(self.config, self.topology.groups)
+        adapter_bytes = 0
+        if self.config.offload.dlo_gpu_memory_budget_gib is not None:
+            # Loaded after DLO, so the budget is told what they will take.
+            adapter_bytes = lora.device_bytes(self.config.model.lora_adapters, self.dtype)
+        offload_config = offload_config_for(self.config, self.topology.groups, adapter_bytes)
         try:
             self.backend = DistributedLayerwiseOffloadBackend(
                 offload_config, self.device, host_weights
@@ -215,10 +219,13 @@ maps the CRD to the worker options the same way); a test checks both sides exist
 
 
 def offload_config_for(
-    config: WorkerConfig, groups: dict[ShardingGroup, dist.ProcessGroup]
+    config: WorkerConfig,
+    groups: dict[ShardingGroup, dist.ProcessGroup],
+    adapter_bytes: int = 0,
 ) -> OffloadConfig:
-    """The backend's configuration: :data:`BACKEND_OPTIONS`, and the existing DP (else SP)
-    group the worker configuration selects for DLO's weight sharding."""
+    """The backend's configuration: :data:`BACKEND_OPTIONS`, the existing DP (else SP)
+    group the worker configuration selects for DLO's weight sharding, and the device bytes
+    of the LoRA adapters loaded after it (counted in the GPU memory budget)."""
     effective = config.effective()
     group = groups.get(effective.dlo_sharding_group)
     options = {
@@ -226,5 +233,7 @@ def offload_config_for(
         for option in BACKEND_OPTIONS
     }
     return OffloadConfig(
-        process_group=group if effective.dlo_sharding_size > 1 else None, **options
+        process_group=group if effective.dlo_sharding_size > 1 else None,
+        adapter_bytes=adapter_bytes,
+        **options,
     )
