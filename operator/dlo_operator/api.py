@@ -265,7 +265,15 @@ class Lora(_Api):
         default=1.0,
         ge=-10.0,
         le=10.0,
-        description="Its scale in requests that name no adapters (every adapter applies).",
+        description="Its scale in requests that name no adapters (every adapter applies), "
+        "or the scale it is fused at.",
+    )
+    fuse: bool = Field(
+        default=False,
+        description="Fuse it into the model's weights at start (the worker's --fuse-lora): "
+        "no per-step cost, it always applies and requests cannot choose it. The model then "
+        "loads into private memory or a runtime-cache entry of its own, never a shared "
+        "checkpoint mapping.",
     )
     # Path lengths bounded so the API server's CEL cost estimate fits a list of adapters.
     host_path: str | None = _absolute_path(

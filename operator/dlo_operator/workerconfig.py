@@ -98,6 +98,9 @@ CRD_FIELDS: dict[str, CrdField] = {
     "compile_mode": CrdField("compile.mode", lambda spec: spec.compile.mode),
     "compile_cache_dir": CrdField("compile.enabled", compile_cache_dir),
     "lora": CrdField("loras", _loras),
+    "fuse_lora": CrdField(
+        "loras[].fuse", lambda spec: tuple(lora.name for lora in spec.loras if lora.fuse)
+    ),
     "data_parallel_size": CrdField("parallelism.data", lambda spec: spec.parallelism.data),
     "sequence_parallel_size": CrdField(
         "parallelism.sequence", lambda spec: spec.parallelism.sequence

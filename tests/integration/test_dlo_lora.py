@@ -15,6 +15,7 @@ import torch
 from dlo_worker.offload import enable_dlo
 from dlo_worker.offload.adapters import adapter_parameters
 from dlo_worker.offload.errors import AdapterFusingError
+from dlo_worker.pipeline.lora import adapted_layers
 from tests.support.lora import ATTENTION_PROJECTIONS, write_flux_lora
 from tests.support.tiny_models import tiny_flux
 
@@ -130,6 +131,41 @@ def test_fusing_into_streamed_weights_is_refused_and_changes_nothing(
     finally:
         backend.disable()
     assert "fuse_lora" not in vars(pipeline.transformer)  # the DiT's own method is back
+
+
+def test_adapters_fused_into_the_private_host_copy_stream_the_resident_fused_image(
+    flux_model_dir: Path, loras: dict[str, Path], bytes_streamed_without_adapters: int
+) -> None:
+    """``--fuse-lora``'s fusing (one adapter at a time, merged on the CPU) makes diffusers'
+    own ``fuse_lora`` weights; DLO then streams them as any weights, at no extra byte."""
+    from dlo_worker.config import LoraAdapter
+    from dlo_worker.pipeline.lora import fuse_adapters
+
+    reference = _pipeline(flux_model_dir)
+    for name, scale in (("a", 0.8), ("b", -0.6)):
+        reference.load_lora_weights(loras[name], adapter_name=name)
+        reference.fuse_lora(components=["transformer"], lora_scale=scale, adapter_names=[name])
+        reference.unload_lora_weights()
+    unfused = _image(_pipeline(flux_model_dir))
+    fused_resident = _image(reference)
+
+    pipeline = _pipeline(flux_model_dir)
+    fuse_adapters(pipeline, [LoraAdapter("a", loras["a"], 0.8), LoraAdapter("b", loras["b"], -0.6)])
+    reference_state = reference.transformer.state_dict()
+    assert all(
+        torch.equal(tensor, reference_state[name])
+        for name, tensor in pipeline.transformer.state_dict().items()
+    )
+    assert adapted_layers(pipeline, "a") == adapted_layers(pipeline, "b") == 0
+    backend = enable_dlo(pipeline, device="cpu", use_allgather=False)
+    try:
+        streamed = [_image(pipeline) for _ in range(len(ADAPTER_SETTINGS) + 1)]
+        stats = backend.stats()
+    finally:
+        backend.disable()
+    assert all(torch.equal(image, fused_resident) for image in streamed)
+    assert not torch.equal(fused_resident, unfused)  # the adapters took effect
+    assert stats.bytes_streamed == bytes_streamed_without_adapters
 
 
 def test_streamed_weights_keep_their_shape_and_show_empty_in_the_state_dict() -> None:

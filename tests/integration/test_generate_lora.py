@@ -1,10 +1,12 @@
 """``dlo-worker generate --lora`` on the Flux demo (CPU): adapters loaded at start write
 the resident bytes under DLO, rank-local and with AllGather over DP=2; each adapter and
-scale changes the image; an adapter that cannot do what it says exits 2 in one line
-naming it."""
+scale changes the image; adapters fused at start (``--fuse-lora``) write the resident
+fused bytes from a private host copy or a runtime-cache entry of their own; an adapter
+that cannot do what it says exits 2 in one line naming it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from tests.integration.test_generate_dlo import run_single, torchrun
 from tests.support.generate import digest, refused_generate
 from tests.support.lora import write_flux_lora
+from tests.support.runtime_cache import attached, cache_warm, run_cached
 from tests.support.tiny_models import tiny_flux
 
 DLO = ("--enable-distributed-layerwise-offload",)
@@ -172,3 +175,96 @@ def test_use_lora_chooses_the_adapters_of_the_image(
         flux_model_dir, tmp_path / "x.png", *PROMPT, *both, "--use-lora", "zzz"
     )
     assert "loras: zzz not loaded; choose from a, b" in stderr
+
+
+def _fused(loras: dict[str, Path], scale: float = 0.8) -> tuple[str, ...]:
+    """Adapter ``a`` fused at ``scale``, ``b`` loaded beside the weights."""
+    return ("--lora", f"a={loras['a']}:{scale:g},b={loras['b']}", "--fuse-lora", "a")
+
+
+@pytest.fixture(scope="module")
+def resident_fused(
+    flux_model_dir: Path,
+    loras: dict[str, Path],
+    resident: dict[tuple[str, int], str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[int, str]:
+    """The resident worker's images with ``a`` fused, ``b`` not chosen."""
+    out = tmp_path_factory.mktemp("resident-fused")
+    images = {}
+    for seed in (11, 12):
+        path = out / f"{seed}.png"
+        run_single(flux_model_dir, path, seed, *PROMPT, *_fused(loras), "--use-lora", "b:0")
+        images[seed] = digest(path)
+    assert images[11] != resident[("none", 11)]  # the fused adapter took effect
+    return images
+
+
+def test_rank_local_dlo_streams_a_fused_adapter_from_a_private_copy(
+    flux_model_dir: Path, loras: dict[str, Path], resident_fused: dict[int, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "fused.png"
+    flags = (*PROMPT, *RANK_LOCAL, *_fused(loras), "--use-lora", "b:0")
+    result = run_single(flux_model_dir, out, 11, *flags)
+    assert digest(out) == resident_fused[11]
+    assert 'msg="lora adapter fused" name=a scale=0.8' in result.stderr
+    # The demo's checkpoint maps without --fuse-lora; fusing needs a private copy.
+    assert "host_backing=ordinary" in result.stderr
+
+
+def test_allgather_dlo_streams_a_fused_adapter(
+    flux_model_dir: Path, loras: dict[str, Path], resident_fused: dict[int, str], tmp_path: Path
+) -> None:
+    out = tmp_path / "dp.png"
+    flags = (*PROMPT, *DLO, "--data-parallel-size", "2", *_fused(loras), "--use-lora", "b:0")
+    process = torchrun(flux_model_dir, out, tmp_path / "logs", 11, *flags)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    assert digest(out) == resident_fused[11]
+    assert digest(tmp_path / "dp.dp1.png") == resident_fused[12]
+
+
+def test_the_runtime_cache_keeps_fused_weights_under_an_identity_of_their_own(
+    flux_model_dir: Path,
+    loras: dict[str, Path],
+    resident_fused: dict[int, str],
+    tmp_path: Path,
+) -> None:
+    """Built from the fused weights (here by a warm Job's ``cache warm``), found again by
+    skip-load, and never mapped by a start that fuses another adapter or another scale.
+    (Without --fuse-lora the demo's DiT maps its checkpoint, which a fused start never
+    does.)"""
+    root = tmp_path / "cache"
+    chosen = ("--use-lora", "b:0")
+    warmed = cache_warm(flux_model_dir, root, *_fused(loras))
+    assert warmed.returncode == 0, warmed.stderr
+    key = json.loads(warmed.stdout)["key"]
+    assert json.loads(warmed.stdout)["result"] == "built"
+    warm = run_cached(flux_model_dir, tmp_path / "warm.png", root, *PROMPT, *_fused(loras), *chosen)
+    assert attached(warm) == (key, "hit")
+    assert "host_backing=runtime-cache" in warm
+    # The entry holds it: the DiT is not fused again.
+    assert 'msg="lora adapter fused" name=a scale=0.8 layers=0 fused_in_cache=transformer' in warm
+    assert digest(tmp_path / "warm.png") == resident_fused[11]
+    rescaled = run_cached(
+        flux_model_dir, tmp_path / "rescaled.png", root, *PROMPT, *_fused(loras, 0.5), *chosen
+    )
+    other = (*_fused(loras)[:2], "--fuse-lora", "b", "--use-lora", "a:0")
+    other_adapter = run_cached(flux_model_dir, tmp_path / "other.png", root, *PROMPT, *other)
+    starts = [attached(log) for log in (rescaled, other_adapter)]
+    assert [result for _, result in starts] == ["built", "built"]
+    assert len({key, *(other_key for other_key, _ in starts)}) == 3
+    assert len({digest(tmp_path / f"{name}.png") for name in ("warm", "rescaled", "other")}) == 3
+
+
+def test_requests_cannot_choose_a_fused_adapter_nor_fuse_one_not_loaded(
+    flux_model_dir: Path, loras: dict[str, Path], tmp_path: Path
+) -> None:
+    stderr = refused_generate(
+        flux_model_dir, tmp_path / "x.png", *PROMPT, *_fused(loras), "--use-lora", "a"
+    )
+    assert "loras: a fused into the weights at start (--fuse-lora) and always applied" in stderr
+    stderr = refused_generate(
+        flux_model_dir, tmp_path / "x.png", *PROMPT, "--lora", f"a={loras['a']}", "--fuse-lora", "b"
+    )
+    assert "--fuse-lora b: no --lora adapter has that name" in stderr

@@ -69,8 +69,8 @@ def resident(flux_model_dir: Path, lora_flags: list[str]) -> dict[str, list[byte
         output = server.stop()
     assert server.process.returncode == 0, output
     assert listed["data"] == [
-        {"id": "a", "object": "lora", "default_scale": 0.7},
-        {"id": "b", "object": "lora", "default_scale": 1.0},
+        {"id": "a", "object": "lora", "fused": False, "default_scale": 0.7},
+        {"id": "b", "object": "lora", "fused": False, "default_scale": 1.0},
     ]
     assert "dlo_lora_adapters 2.0" in metrics
     assert refusals["unknown"].status_code == 422

@@ -61,8 +61,9 @@ def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def cache_warm(model: Path, root: Path) -> subprocess.CompletedProcess[str]:
-    """``dlo-worker cache warm`` with the cache flags, as a per-node warm Job runs it."""
+def cache_warm(model: Path, root: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``dlo-worker cache warm`` with the cache flags (and ``flags``), as a per-node warm
+    Job runs it."""
     return cache_cli(
         "warm",
         "--model",
@@ -73,6 +74,7 @@ def cache_warm(model: Path, root: Path) -> subprocess.CompletedProcess[str]:
         "--dlo-enable-runtime-cache",
         "--dlo-runtime-cache-root",
         str(root),
+        *flags,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import yaml
@@ -188,12 +188,15 @@ def test_every_crd_field_of_the_mapping_exists_in_the_crd() -> None:
 
     def resolves(model: type, path: list[str]) -> bool:
         by_alias = {field.alias or name: field for name, field in model.model_fields.items()}
-        field = by_alias.get(path[0])
+        name, items = path[0].removesuffix("[]"), path[0].endswith("[]")
+        field = by_alias.get(name)
         if field is None:
             return False
         if len(path) == 1:
             return True
-        return resolves(field.annotation, path[1:])
+        # "loras[].fuse": a field of the list's items
+        inner = get_args(field.annotation)[0] if items else field.annotation
+        return resolves(inner, path[1:])
 
     missing = [
         field.path

@@ -18,6 +18,7 @@ from dlo_operator.render import (
     render_children,
     render_client_service,
     render_engine_pods,
+    render_warm_job,
     spec_hash,
     worker_arguments,
 )
@@ -576,6 +577,24 @@ def test_spec_loras_are_mounted_read_only_and_reach_the_worker_as_its_flags() ->
                 "subPath": "faces/v2",
             },
         ]
+
+
+def test_fused_loras_reach_the_engines_and_the_warm_job_as_fuse_flags() -> None:
+    variant = spec(
+        loras=[{**LORAS[0], "fuse": True}, *LORAS[1:]],
+        offload={"enabled": True, "useAllGather": False, "runtimeCache": {"enabled": True}},
+    )
+    validate(variant)
+    config = config_from_args(build_parser().parse_args(worker_arguments(variant)))
+    assert config.model.fuse_lora == ("style",)
+    assert config.model.switchable_lora_names == ("faces", "baked")
+    # The warm Job builds the entry with the adapter fused: it mounts it and fuses it too.
+    (job_container,) = render_warm_job(OWNER, variant, "node-a")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert "--fuse-lora" in job_container["command"]
+    assert any(m["name"] == "lora-0" for m in job_container["volumeMounts"])
+    assert spec_hash(variant) != spec_hash(spec(loras=LORAS))
 
 
 def test_a_change_of_adapters_rolls_the_engines() -> None:

@@ -42,6 +42,7 @@ def test_the_key_is_stable_and_names_a_directory() -> None:
         {"dit_config": canonical_config({"num_layers": 18})},
         {"dit_class": "ChromaTransformer2DModel"},
         {"adapters": ("fused-qkv",)},
+        {"edits": ("sha256:" + "a" * 64 + "*1.0",)},
         {"block_paths": ("transformer_blocks",)},
         {"format_version": FORMAT_VERSION + 1},
     ],

@@ -15,6 +15,7 @@ def warm_runtime_cache(config: WorkerConfig) -> dict:
     """Load the pipeline on the CPU with the dtype the configured device would use and
     report what the runtime cache did (``result``: built, joined, fallback, not-needed)."""
     from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
+    from dlo_worker.pipeline import lora
 
     started = time.perf_counter()
     # The entry's identity includes the dtype: resolve it for the device that will serve
@@ -25,7 +26,14 @@ def warm_runtime_cache(config: WorkerConfig) -> dict:
         else torch.device(config.model.device)
     )
     dtype = resolve_dtype(config.model, target)
-    loader = DiffusersPipelineLoader(load_settings(config), dtype=dtype, device=torch.device("cpu"))
+    lora.check_files(config.model.fused_lora_adapters)
+    loader = DiffusersPipelineLoader(
+        load_settings(config),
+        dtype=dtype,
+        device=torch.device("cpu"),
+        # The entry holds the weights the worker will stream: --fuse-lora adapters fused.
+        edit=lora.fusion(config.model.fused_lora_adapters),
+    )
     loader.load()
     host_weights = loader.take_host_weights()
     if host_weights is not None:

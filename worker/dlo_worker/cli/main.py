@@ -187,8 +187,9 @@ def _lora_choice(text: str) -> dict[str, object]:
 
 
 def adapter_defaults(config: WorkerConfig) -> tuple[LoraChoice, ...] | None:
-    """What a request that names no adapters runs with: every ``--lora`` at its scale."""
-    adapters = config.model.lora_adapters
+    """What a request that names no adapters runs with: every ``--lora`` it can choose
+    (not fused) at its scale."""
+    adapters = config.model.switchable_lora_adapters
     if not adapters:
         return None
     return tuple(LoraChoice(name=adapter.name, scale=adapter.scale) for adapter in adapters)
@@ -269,7 +270,10 @@ def _command_generate(args: argparse.Namespace) -> int:
     def check_request(pipeline: DiffusionPipeline) -> None:
         """Before the weights load: the request is one this pipeline can take."""
         limits = request_limits(
-            pipeline, config.parallel.sequence_parallel_size, config.model.lora_names
+            pipeline,
+            config.parallel.sequence_parallel_size,
+            config.model.switchable_lora_names,
+            config.model.fuse_lora,
         )
         if problems := request_problems(request, limits):
             raise UsageError("; ".join(problems))

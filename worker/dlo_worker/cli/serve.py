@@ -102,13 +102,16 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
             # Worker.shutdown restores the handler that was installed before the worker.
             signal.signal(signal.SIGTERM, drain_on_sigterm)
             metrics.HOST_BACKING.info({"backing": str(worker.backing.backing)})
-            metrics.LORA_ADAPTERS.set(len(config.model.lora_names))
+            metrics.LORA_ADAPTERS.set(len(config.model.lora_adapters))
             logger.info(
                 "host backing",
                 extra={"fields": {"backing": worker.backing.backing, "why": worker.backing.reason}},
             )
             limits = request_limits(
-                worker.pipeline, config.parallel.sequence_parallel_size, config.model.lora_names
+                worker.pipeline,
+                config.parallel.sequence_parallel_size,
+                config.model.switchable_lora_names,
+                config.model.fuse_lora,
             )
             if problems := defaults_problems(options.defaults, limits):
                 raise ServeDefaultsError("; ".join(problems))

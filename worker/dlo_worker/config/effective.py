@@ -66,6 +66,8 @@ def _host_backing_candidates(config: WorkerConfig) -> list[HostBacking]:
         parallel.tensor_parallel_size == 1
         and not parallel.use_hsdp
         and config.model.quantization == Quantization.NONE
+        # Fusing writes adapters into the host weights: never into the checkpoint's pages.
+        and not config.model.fuse_lora
     )
     candidates: list[HostBacking] = []
     # A positive registration budget asks for the transform-complete final layout,

@@ -36,6 +36,16 @@ def _finite(value: float, field_name: str) -> float:
     return value
 
 
+def _comma_separated(value: object) -> list[str] | None:
+    """A repeatable flag's values, each possibly comma-separated; None when ``value`` is
+    neither a string nor a list (pydantic then says what it expected)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        return None
+    return [part.strip() for item in value for part in str(item).split(",") if part.strip()]
+
+
 class ModelOptions(Options):
     """What to load and where to run it."""
 
@@ -73,14 +83,21 @@ class ModelOptions(Options):
         "community formats); SCALE from -10 to 10, default 1.",
     )
 
+    fuse_lora: tuple[str, ...] = Field(
+        default=(),
+        description="Names of --lora adapters fused into the DiT's host weights once at "
+        "start (comma-separated, or the flag repeated), at their --lora scale: they then "
+        "cost nothing per step and always apply, and requests cannot choose them. Needs a "
+        "private host copy: the DiT is loaded into ordinary tensors, or into a runtime-cache "
+        "entry keyed by the adapters' content, never a shared checkpoint mapping.",
+    )
+
     @field_validator("lora", mode="before")
     @classmethod
     def _parse_loras(cls, value: object) -> object:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list | tuple):
+        texts = _comma_separated(value)
+        if texts is None:
             return value
-        texts = [part.strip() for item in value for part in str(item).split(",") if part.strip()]
         adapters = [parse_lora(text) for text in texts]
         names = [adapter.name for adapter in adapters]
         if duplicates := sorted({name for name in names if names.count(name) > 1}):
@@ -92,10 +109,44 @@ class ModelOptions(Options):
         """``--lora``, parsed."""
         return tuple(parse_lora(text) for text in self.lora)
 
+    @field_validator("fuse_lora", mode="before")
+    @classmethod
+    def _split_fused(cls, value: object) -> object:
+        texts = _comma_separated(value)
+        if texts is None:
+            return value
+        if duplicates := sorted({text for text in texts if texts.count(text) > 1}):
+            raise ValueError(f"--fuse-lora names {', '.join(duplicates)} more than once; one each")
+        return tuple(texts)
+
+    @model_validator(mode="after")
+    def _fused_adapters_are_loaded(self) -> ModelOptions:
+        names = {adapter.name for adapter in self.lora_adapters}
+        if unknown := [name for name in self.fuse_lora if name not in names]:
+            raise ValueError(
+                f"--fuse-lora {', '.join(unknown)}: no --lora adapter has that name; give "
+                "the adapter with --lora NAME=PATH[:SCALE] too"
+            )
+        return self
+
     @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The names ``--lora`` loads adapters under."""
-        return tuple(adapter.name for adapter in self.lora_adapters)
+    def fused_lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """The ``--lora`` adapters ``--fuse-lora`` names, in its order (the order they are
+        fused in)."""
+        adapters = {adapter.name: adapter for adapter in self.lora_adapters}
+        return tuple(adapters[name] for name in self.fuse_lora)
+
+    @property
+    def switchable_lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """The ``--lora`` adapters not fused: loaded beside the weights, chosen per request."""
+        return tuple(
+            adapter for adapter in self.lora_adapters if adapter.name not in self.fuse_lora
+        )
+
+    @property
+    def switchable_lora_names(self) -> tuple[str, ...]:
+        """The names requests choose adapters by."""
+        return tuple(adapter.name for adapter in self.switchable_lora_adapters)
 
     @field_validator("device")
     @classmethod

@@ -73,12 +73,13 @@ def request_limits(
     pipeline: DiffusionPipeline,
     sequence_parallel_size: int = 1,
     adapters: tuple[str, ...] = (),
+    fused_adapters: tuple[str, ...] = (),
 ) -> RequestLimits:
     """What requests the loaded pipeline takes, read from its call signature and its
     components' configs: conditioning, guidance, size rules and, for class-conditional
     DiTs, the number of classes its label embedding holds. With sequence parallelism the
     image's patches must split evenly over the SP ranks. ``adapters`` are the names of the
-    LoRA adapters the worker loads (``--lora``)."""
+    LoRA adapters requests choose from, ``fused_adapters`` those fused into the weights."""
     accepted = inspect.signature(pipeline.__call__).parameters
     name = type(pipeline).__name__
     transformer_config = _config_of(getattr(pipeline, "transformer", None))
@@ -102,6 +103,7 @@ def request_limits(
             takes_num_images=True,
             default_size=(side, side) if side else None,
             adapters=adapters,
+            fused_adapters=fused_adapters,
         )
     takes_true_cfg = "true_cfg_scale" in accepted
     if "guidance_scale" not in accepted:
@@ -124,6 +126,7 @@ def request_limits(
         max_side=2 * side if side else 2048,
         token_split=sequence_parallel_size,
         adapters=adapters,
+        fused_adapters=fused_adapters,
     )
 
 

@@ -190,7 +190,10 @@ class RequestLimits:
     default_size: tuple[int, int] | None = None
     """(width, height) the pipeline draws without a size."""
     adapters: tuple[str, ...] = ()
-    """The names of the LoRA adapters the worker loaded (``--lora``)."""
+    """The names of the LoRA adapters requests choose from (``--lora``, not fused)."""
+    fused_adapters: tuple[str, ...] = ()
+    """The names of the adapters fused into the weights (``--fuse-lora``): they always
+    apply, and a request cannot choose them."""
     size_multiple: int = 8
     """A side in pixels is a whole number of latent patches of this many pixels."""
     max_side: int = 2048
@@ -213,14 +216,23 @@ def request_problems(request: GenerationRequest, limits: RequestLimits) -> list[
 def _lora_problems(request: GenerationRequest, limits: RequestLimits) -> list[str]:
     if request.loras is None:
         return []
-    if not limits.adapters:
+    if not limits.adapters and not limits.fused_adapters:
         return [
             "loras: this worker loaded no LoRA adapters; leave loras out, or start it "
             "with --lora NAME=PATH"
         ]
     names = [choice.name for choice in request.loras]
     problems = []
-    if unknown := [name for name in dict.fromkeys(names) if name not in limits.adapters]:
+    if fused := [name for name in dict.fromkeys(names) if name in limits.fused_adapters]:
+        problems.append(
+            f"loras: {', '.join(fused)} fused into the weights at start (--fuse-lora) and "
+            "always applied; leave it out"
+        )
+    if unknown := [
+        name
+        for name in dict.fromkeys(names)
+        if name not in limits.adapters and name not in limits.fused_adapters
+    ]:
         problems.append(
             f"loras: {', '.join(unknown)} not loaded; choose from {', '.join(limits.adapters)}"
         )

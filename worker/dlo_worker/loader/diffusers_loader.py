@@ -72,6 +72,20 @@ class BackingDecision:
     reason: str
 
 
+@dataclass(frozen=True)
+class HostWeightEdit:
+    """A change written into the loaded pipeline's weights before the DiTs' host backing
+    is chosen (``--fuse-lora``). It needs private host weights: the configuration never
+    offers a checkpoint mapping with it, and a runtime-cache entry built from the edited
+    DiTs is keyed by :attr:`identity` too (its content digest already differs)."""
+
+    identity: tuple[str, ...]
+    """What the edit writes, as the runtime cache's source and entry identities hold it."""
+    apply: Callable[[DiffusionPipeline, frozenset[str]], None]
+    """Edits the pipeline but the given DiT components (bound to an entry that was built
+    with the edit: a skip-load hit)."""
+
+
 def runtime_tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
     """Every parameter and persistent buffer the model's state dict holds, by name."""
     return {
@@ -83,8 +97,16 @@ def runtime_tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
 class DiffusersPipelineLoader:
     """Loads one pipeline directory once; hands its DiTs' host weights over exactly once."""
 
-    def __init__(self, settings: LoadSettings, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        settings: LoadSettings,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        edit: HostWeightEdit | None = None,
+    ) -> None:
         self.settings = settings
+        self.edit = edit
         self.model_dir = settings.model_dir
         self.dtype = dtype
         self.device = device
@@ -143,6 +165,13 @@ class DiffusersPipelineLoader:
                     self.policy, name, DIT_COMPONENTS
                 )
                 component.to(torch.device("cpu") if on_host else self.device)
+        if self.edit is not None:
+            if prepared.mapped:
+                raise RuntimeError(
+                    f"{sorted(prepared.mapped)} mapped from the checkpoint, which an edit of "
+                    "the weights must never write: the configuration offers no mapping then"
+                )
+            self.edit.apply(pipeline, frozenset(prepared.bound))
         backing = self._host_backing(pipeline, hit, prepared, source)
         reasons = prepared.reasons
         self.decision = BackingDecision(
@@ -254,6 +283,7 @@ class DiffusersPipelineLoader:
             dtype=str(self.dtype),
             block_paths=self.settings.block_paths,
             backings=list(self.settings.host_backings),
+            edits=self.edit.identity if self.edit is not None else (),
         )
         return CacheSource(key, skeletons, adapters)
 
@@ -287,6 +317,7 @@ class DiffusersPipelineLoader:
             # This release runs TP 1 only (execution_errors refuses more).
             tensor_parallel=(cache.tensor_parallel_size, 0),
             sequence_parallel_size=cache.sequence_parallel_size,
+            edits=self.edit.identity if self.edit is not None else (),
         )
 
     def _prepare_dit(self, component: str, class_name: str) -> PreparedDiT:

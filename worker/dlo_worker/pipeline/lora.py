@@ -5,6 +5,10 @@ community formats) after DLO is enabled: the adapters then live on the device be
 streamed weights (:mod:`dlo_worker.offload.adapters`), so they add no host-to-device
 bytes. Every adapter given is active, at its scale (``set_adapters``).
 
+``--fuse-lora`` adapters are instead fused into the weights as they are loaded, before DLO
+packs them (:func:`fusion`): into the DiT's private host copy, never a shared checkpoint
+mapping, and into a runtime-cache entry only under an identity that holds them.
+
 An adapter that would not do what it says is refused at start, naming the flag's value
 and the reason: a missing, truncated or corrupt file, a pipeline without a LoRA loader,
 an adapter none of whose layers the pipeline has (one for another model), and one some
@@ -19,6 +23,7 @@ import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,6 +31,8 @@ from torch import nn
 
 from dlo_worker.config import LoraAdapter
 from dlo_worker.errors import UserFixableError
+from dlo_worker.loader.diffusers_loader import HostWeightEdit
+from dlo_worker.runtime_cache.digest import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -90,26 +97,94 @@ def _weights_file(adapter: LoraAdapter) -> Path:
     return candidates[0]
 
 
+def fusion_identity(adapters: Sequence[LoraAdapter]) -> tuple[str, ...]:
+    """What ``--fuse-lora`` adds to the weights, in fusing order: each adapter file's
+    SHA-256 and its scale (not its name or path, which do not change a byte). The runtime
+    cache keys entries built from fused weights by it."""
+    return tuple(
+        f"sha256:{file_sha256(_weights_file(adapter))}*{adapter.scale!r}" for adapter in adapters
+    )
+
+
+def fusion(adapters: Sequence[LoraAdapter]) -> HostWeightEdit | None:
+    """``--fuse-lora``: the edit the loader writes into the loaded weights
+    (:func:`fuse_adapters`), keyed by :func:`fusion_identity`."""
+    if not adapters:
+        return None
+    return HostWeightEdit(
+        identity=fusion_identity(adapters),
+        apply=lambda pipeline, skip: fuse_adapters(pipeline, adapters, skip),
+    )
+
+
+def fuse_adapters(
+    pipeline: object,
+    adapters: Sequence[LoraAdapter],
+    skip_components: frozenset[str] = frozenset(),
+) -> None:
+    """Fuse each adapter, at its scale, into the weights of the pipeline's components but
+    ``skip_components`` (DiTs bound to a runtime-cache entry built with them fused), then
+    remove it: the weights then hold it, and nothing of it is left to choose.
+
+    One adapter at a time, each alone in the pipeline (diffusers' fusing scales every
+    active adapter of a layer). Every layer is merged on the CPU, as PEFT merges there
+    (half-precision weights in float32), wherever the worker then runs it: the fused
+    weights are the same bytes for a resident or a streamed DiT, on any device, and for
+    ``dlo-worker cache warm`` on a node without a GPU.
+    """
+    loader = _loader(pipeline, "--fuse-lora")
+    cpu = torch.device("cpu")
+    for adapter in adapters:
+        _load_quietly(pipeline, loader, adapter)
+        layers = _adapter_layers(pipeline, adapter.name, skip_components)
+        for layer in layers:
+            home = layer.get_base_layer().weight.device
+            layer.to(cpu)
+            if adapter.scale != 1.0:
+                layer.scale_layer(adapter.scale)
+            layer.merge(adapter_names=[adapter.name])
+            layer.to(home)
+        pipeline.unload_lora_weights()  # type: ignore[attr-defined]
+        fields: dict[str, object] = {
+            "name": adapter.name,
+            "scale": adapter.scale,
+            "layers": len(layers),
+        }
+        if skip_components:  # their runtime-cache entry was built with the adapter fused
+            fields["fused_in_cache"] = ",".join(sorted(skip_components))
+        logger.info("lora adapter fused", extra={"fields": fields})
+
+
 def load_adapters(pipeline: object, adapters: Sequence[LoraAdapter]) -> None:
     """Load every adapter under its name and make them all active at their scales."""
     if not adapters:
         return
-    pipeline_name = type(pipeline).__name__
-    loader = getattr(pipeline, "load_lora_weights", None)
-    if loader is None:
-        raise LoraSetupError(
-            f"--lora: {pipeline_name} has no LoRA loader in diffusers; drop --lora"
-        )
-    quiet = _NormalEvents()
-    logging.getLogger(DIFFUSERS_LORA_LOGGER).addFilter(quiet)
-    try:
-        for adapter in adapters:
-            _load(pipeline, loader, adapter)
-    finally:
-        logging.getLogger(DIFFUSERS_LORA_LOGGER).removeFilter(quiet)
+    loader = _loader(pipeline, "--lora")
+    for adapter in adapters:
+        _load_quietly(pipeline, loader, adapter)
     pipeline.set_adapters(  # type: ignore[attr-defined]
         [adapter.name for adapter in adapters], [adapter.scale for adapter in adapters]
     )
+
+
+def _loader(pipeline: object, flag: str) -> Callable[..., object]:
+    """The pipeline's ``load_lora_weights``, or refused naming ``flag``."""
+    loader = getattr(pipeline, "load_lora_weights", None)
+    if loader is None:
+        raise LoraSetupError(
+            f"{flag}: {type(pipeline).__name__} has no LoRA loader in diffusers; drop {flag}"
+        )
+    return loader
+
+
+def _load_quietly(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter) -> None:
+    """:func:`_load`, without diffusers' warning that a component has none of its keys."""
+    quiet = _NormalEvents()
+    logging.getLogger(DIFFUSERS_LORA_LOGGER).addFilter(quiet)
+    try:
+        _load(pipeline, loader, adapter)
+    finally:
+        logging.getLogger(DIFFUSERS_LORA_LOGGER).removeFilter(quiet)
 
 
 def _load(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter) -> None:
@@ -156,16 +231,24 @@ def select_adapters(pipeline: object, choices: Sequence[tuple[str, float]]) -> N
 
 def adapted_layers(pipeline: object, name: str) -> int:
     """How many layers of the pipeline's components carry adapter ``name``."""
+    return len(_adapter_layers(pipeline, name))
+
+
+def _adapter_layers(
+    pipeline: object, name: str, skip_components: frozenset[str] = frozenset()
+) -> list[Any]:
+    """The PEFT tuner layers carrying adapter ``name`` in the pipeline's components but
+    ``skip_components``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     components = getattr(pipeline, "components", {})
-    return sum(
-        1
-        for component in components.values()
-        if isinstance(component, nn.Module)
+    return [
+        module
+        for component_name, component in components.items()
+        if isinstance(component, nn.Module) and component_name not in skip_components
         for module in component.modules()
         if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {})
-    )
+    ]
 
 
 @contextmanager

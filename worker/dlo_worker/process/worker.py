@@ -1,8 +1,9 @@
 """The worker's lifecycle: start up in the order below, shut down in reverse.
 
-Start: process groups, then the pipeline (on the CPU when DLO will stream it),
-then the DLO backend, then sequence parallelism's hooks on the DiTs, then (``--lora``) the
-LoRA adapters, then (``--compile``) each DiT's blocks compiled. Shutdown: stop
+Start: process groups, then the pipeline (on the CPU when DLO will stream it, with the
+``--fuse-lora`` adapters fused into its weights), then the DLO backend, then sequence
+parallelism's hooks on the DiTs, then the other ``--lora`` adapters, then (``--compile``)
+each DiT's blocks compiled. Shutdown: stop
 intake (the caller), then ``backend.disable()`` while the process groups still exist
 (it synchronizes outstanding AllGathers), then destroy the process groups. SIGTERM takes the
 same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
@@ -110,7 +111,11 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
         loader = DiffusersPipelineLoader(
-            load_settings(self.config), dtype=self.dtype, device=self.device
+            load_settings(self.config),
+            dtype=self.dtype,
+            device=self.device,
+            # --fuse-lora: written into the DiTs' private host weights before DLO packs them.
+            edit=lora.fusion(self.config.model.fused_lora_adapters),
         )
         self._pipeline = loader.load(self._check_pipeline)
         self._backing = loader.decision
@@ -129,7 +134,7 @@ class Worker:
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
             )
         # After DLO: adapters then live on the device beside the streamed weights.
-        lora.load_adapters(self.pipeline, self.config.model.lora_adapters)
+        lora.load_adapters(self.pipeline, self.config.model.switchable_lora_adapters)
         if (mode := self.config.effective().compile) is not None:
             # Last: DLO routes each streamed block's compile() to its forward.
             self.compiled = compilation.compile_blocks(
@@ -159,7 +164,9 @@ class Worker:
         adapter_bytes = 0
         if self.config.offload.dlo_gpu_memory_budget_gib is not None:
             # Loaded after DLO, so the budget is told what they will take.
-            adapter_bytes = lora.device_bytes(self.config.model.lora_adapters, self.dtype)
+            adapter_bytes = lora.device_bytes(
+                self.config.model.switchable_lora_adapters, self.dtype
+            )
         offload_config = offload_config_for(self.config, self.topology.groups, adapter_bytes)
         try:
             self.backend = DistributedLayerwiseOffloadBackend(

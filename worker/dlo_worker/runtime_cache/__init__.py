@@ -81,6 +81,8 @@ class CacheRequest:
     tensor_parallel: tuple[int, int] = (1, 0)
     """``(size, rank)``."""
     sequence_parallel_size: int = 1
+    edits: tuple[str, ...] = ()
+    """What was written into the loaded weights (fused LoRA adapters), in order."""
 
 
 @dataclass(frozen=True)
@@ -378,6 +380,7 @@ def _guards(request: CacheRequest, component: str, dit: nn.Module) -> IdentityGu
         tensor_parallel_size=request.tensor_parallel[0],
         tensor_parallel_rank=request.tensor_parallel[1],
         sequence_parallel_size=request.sequence_parallel_size,
+        edits=request.edits,
     )
 
 

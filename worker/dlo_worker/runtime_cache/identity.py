@@ -5,8 +5,9 @@ dtype, shape and bytes, so a loader or configuration change that changes any byt
 a different entry instead of sharing silently. The guards add what content alone cannot
 tell apart: the tensor-parallel coordinate (different TP ranks hold different shards that
 could collide in content), the sequence-parallel world size, the dtype, the DiT class and
-its config, the loader's adapters, the block lists DLO streams (they decide the packed
-layout) and the entry format. Data-parallel size and rank and the sequence-parallel rank
+its config, the loader's adapters, the edits written into the loaded weights (fused LoRA
+adapters), the block lists DLO streams (they decide the packed layout) and the entry
+format. Data-parallel size and rank and the sequence-parallel rank
 are deliberately absent: replicas and equivalent SP ranks share one entry.
 """
 
@@ -17,9 +18,10 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Final
 
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
 """Bumped whenever the files, the manifest or a digest change shape: old entries then miss
-(3: the content digest hashes each tensor on its own, :mod:`~dlo_worker.runtime_cache.digest`)."""
+(3: the content digest hashes each tensor on its own, :mod:`~dlo_worker.runtime_cache.digest`;
+4: the identity holds the edits written into the weights, fused LoRA adapters)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class IdentityGuards:
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
     sequence_parallel_size: int = 1
+    edits: tuple[str, ...] = ()
+    """Written into the loaded weights before caching: each fused LoRA adapter's file
+    digest and scale, in fusing order."""
     format_version: int = FORMAT_VERSION
 
 

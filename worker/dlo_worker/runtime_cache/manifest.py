@@ -91,7 +91,7 @@ class StoredFile(_Strict):
 
 
 class Manifest(_Strict):
-    format_version: Literal[3]
+    format_version: Literal[4]
     key: str
     identity: dict
     """:meth:`~dlo_worker.runtime_cache.identity.CacheIdentity.as_json` of the entry."""

@@ -6,8 +6,9 @@ the DiT to that entry without reading a tensor byte of the checkpoint. The sourc
 identity is what can be known from file metadata and headers alone: every checkpoint
 file's name, size, modification time (nanoseconds) and the SHA-256 of its safetensors
 header, the DiT's ``config.json``, its class, the dtype, the loader's adapters, the block
-lists, the host-backing order the configuration implies, the cache format and the
-worker's version. Rewriting a shard (a new mtime), another dtype, another config or
+lists, the host-backing order the configuration implies, the edits written into the
+loaded weights (``--fuse-lora``: each adapter file's digest and scale), the cache format
+and the worker's version. Rewriting a shard (a new mtime), another dtype, another config or
 another release of the worker all miss, and the start loads ordinarily.
 """
 
@@ -54,15 +55,22 @@ def component_source(
 
 
 def source_key(
-    components: dict[str, dict], *, dtype: str, block_paths: Sequence[str] | None, backings: list
+    components: dict[str, dict],
+    *,
+    dtype: str,
+    block_paths: Sequence[str] | None,
+    backings: list,
+    edits: Sequence[str] = (),
 ) -> str:
-    """The key of a pipeline's DiT sources under one configuration."""
+    """The key of a pipeline's DiT sources under one configuration and the edits written
+    into the loaded weights (fused LoRA adapters' digests and scales)."""
     canonical = json.dumps(
         {
             "components": components,
             "dtype": dtype,
             "block_paths": list(block_paths) if block_paths else None,
             "host_backings": [str(backing) for backing in backings],
+            "edits": list(edits),
             "format_version": FORMAT_VERSION,
             "writer": __version__,
         },

@@ -209,16 +209,25 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
 
     @app.get(LORAS_PATH)
     async def loras(request: Request) -> dict:
-        """The loaded LoRA adapters, each with the scale a request naming none runs it at."""
+        """The loaded LoRA adapters: those requests choose, each with the scale a request
+        naming none runs it at, then those fused into the weights (always applied)."""
         _authorize(request, state)
         limits = state.limits
         default_scales = {choice.name: choice.scale for choice in state.defaults.loras or ()}
+        switchable = limits.adapters if limits is not None else ()
+        fused = limits.fused_adapters if limits is not None else ()
         return {
             "object": "list",
             "data": [
-                {"id": name, "object": "lora", "default_scale": default_scales.get(name)}
-                for name in (limits.adapters if limits is not None else ())
-            ],
+                {
+                    "id": name,
+                    "object": "lora",
+                    "fused": False,
+                    "default_scale": default_scales.get(name),
+                }
+                for name in switchable
+            ]
+            + [{"id": name, "object": "lora", "fused": True} for name in fused],
         }
 
     @app.post(GENERATE_PATH)
