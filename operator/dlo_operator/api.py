@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from dlo_worker.config import CompileMode, DType, Quantization, SkipLoad
+from dlo_worker.config.values import LORA_NAME_PATTERN
 
 GROUP = "dlo.dev"
 VERSION = "v1alpha1"
@@ -231,7 +232,6 @@ class Compile(_Api):
     )
 
 
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MAX_LORAS = 16
 MAX_PATH_LENGTH = 1024
 

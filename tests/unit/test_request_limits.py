@@ -149,8 +149,7 @@ def test_server_defaults_the_pipeline_cannot_take_name_their_flags() -> None:
 @pytest.mark.parametrize(
     ("loras", "adapters", "problem"),
     [
-        ([{"name": "a"}], (), "loras: this worker loaded no LoRA adapters; leave loras out"),
-        ([], (), "loras: this worker loaded no LoRA adapters"),
+        ([{"name": "f"}], (), "loras: f fused into the weights at start (--fuse-lora)"),
         ([{"name": "c"}, {"name": "d"}], ("a", "b"), "loras: c, d not loaded; choose from a, b"),
         ([{"name": "a"}, {"name": "a"}], ("a",), "loras: a named more than once; name each once"),
     ],
@@ -158,10 +157,26 @@ def test_server_defaults_the_pipeline_cannot_take_name_their_flags() -> None:
 def test_adapters_a_request_names_must_be_loaded_once_each(
     loras: list[dict], adapters: tuple[str, ...], problem: str
 ) -> None:
-    limits = RequestLimits("FluxPipeline", "prompt", adapters=adapters)
+    limits = RequestLimits("FluxPipeline", "prompt", adapters=adapters, fused_adapters=("f",))
     problems = request_problems(GenerationRequest.model_validate({"loras": loras}), limits)
     assert len(problems) == 1
     assert problems[0].startswith(problem)
+
+
+def test_no_adapters_is_every_workers_choice() -> None:
+    """``[]`` (a client's, or the default of a server that loads adapters while serving)
+    runs none, whatever is loaded."""
+    for adapters in ((), ("a",)):
+        limits = RequestLimits("FluxPipeline", "prompt", adapters=adapters)
+        assert request_problems(GenerationRequest.model_validate({"loras": []}), limits) == []
+    refused = request_problems(
+        GenerationRequest.model_validate({"loras": [{"name": "a"}]}),
+        RequestLimits("FluxPipeline", "prompt"),
+    )
+    assert refused == [
+        "loras: this worker loaded no LoRA adapters; leave loras out, or start it with "
+        "--lora NAME=PATH"
+    ]
 
 
 def test_adapters_and_their_scales_are_taken_when_loaded() -> None:

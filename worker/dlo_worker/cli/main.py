@@ -31,6 +31,7 @@ from dlo_worker.config import (
     describe_validation_error,
     execution_errors,
     flag_for,
+    runtime_lora_errors,
 )
 from dlo_worker.engine.request import GenerationRequest, LoraChoice, RequestDefaults
 from dlo_worker.errors import UserFixableError
@@ -323,6 +324,23 @@ def _check_outputs(
             check_output_path(path, make_parents=make_parents)
 
 
+def _check_lora_loading(directory: Path, api_key: str | None, config: WorkerConfig) -> None:
+    """``--lora-load-dir``: behind the API key, an existing directory, and where adapters
+    run (exit 2 naming the fix)."""
+    if api_key is None:
+        raise UsageError(
+            f"--lora-load-dir needs --api-key (or ${API_KEY_ENV}): loading adapters reads "
+            "files on the node, so only clients holding the key may"
+        )
+    if not directory.is_dir():
+        raise UsageError(
+            f"--lora-load-dir {directory}: not a directory; give the directory adapters are "
+            "loaded from"
+        )
+    if errors := runtime_lora_errors(config):
+        raise UsageError("; ".join(errors))
+
+
 def _command_serve(args: argparse.Namespace) -> int:
     config = _executable_config(args)
 
@@ -331,12 +349,16 @@ def _command_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():
         raise UsageError(f"--api-key (or ${API_KEY_ENV}) is empty; set a key or leave it unset")
+    lora_load_dir: Path | None = args.lora_load_dir
+    if lora_load_dir is not None:
+        _check_lora_loading(lora_load_dir, api_key, config)
     options = ServeOptions(
         host=args.host,
         port=args.port,
         max_queued_requests=args.max_queued_requests,
         api_key=api_key.strip() if api_key else None,
-        defaults=_request_defaults(args, config),
+        defaults=_request_defaults(args, config, runtime_adapters=lora_load_dir is not None),
+        lora_load_dir=lora_load_dir,
     )
     serve(config, options)
     from dlo_worker.cli.launch import record_exit
@@ -345,9 +367,12 @@ def _command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request_defaults(args: argparse.Namespace, config: WorkerConfig) -> RequestDefaults:
+def _request_defaults(
+    args: argparse.Namespace, config: WorkerConfig, *, runtime_adapters: bool = False
+) -> RequestDefaults:
     """``--default-*`` as request defaults, held to the request schema's bounds, and the
-    ``--lora`` adapters as the adapters of a request that names none."""
+    ``--lora`` adapters as the adapters of a request that names none (none of those loaded
+    while serving, with ``runtime_adapters``)."""
     given = {
         field: getattr(args, f"default_{field}")
         for field in ("steps", "width", "height")
@@ -360,7 +385,10 @@ def _request_defaults(args: argparse.Namespace, config: WorkerConfig) -> Request
             f"--default-{problem['loc'][0]}: {problem['msg']}" for problem in error.errors()
         ]
         raise UsageError("; ".join(problems)) from None
-    return RequestDefaults(**given, loras=adapter_defaults(config))
+    loras = adapter_defaults(config)
+    if loras is None and runtime_adapters:
+        loras = ()  # requests naming none run none, whatever is loaded later
+    return RequestDefaults(**given, loras=loras)
 
 
 def _command_launch(args: argparse.Namespace) -> int:
@@ -563,6 +591,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Require 'Authorization: Bearer <key>' on generation routes (default: "
         f"${API_KEY_ENV}, else off; health and metrics stay open). Prefer the variable: a "
         "flag is visible in the process list.",
+    )
+    serve_parser.add_argument(
+        "--lora-load-dir",
+        type=Path,
+        help="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --api-key), "
+        "loading adapters from files or directories inside this directory while serving "
+        "(default: off). A loaded adapter applies to the requests that name it.",
     )
     serve_parser.add_argument(
         "--max-queued-requests",

@@ -16,6 +16,7 @@ import os
 import signal
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 from dlo_worker.config import ShardingGroup, WorkerConfig
 from dlo_worker.engine.generation import request_limits
@@ -42,6 +43,8 @@ class ServeOptions:
     """Required as ``Authorization: Bearer`` on POST routes; health and metrics stay open."""
     defaults: RequestDefaults = NO_DEFAULTS
     """Values for the fields a request leaves out."""
+    lora_load_dir: Path | None = None
+    """Where ``POST /v1/load_lora_adapter`` loads adapters from; None: no such route."""
 
 
 class ServeDefaultsError(UserFixableError):
@@ -79,7 +82,11 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     queue = RequestQueue(options.max_queued_requests) if rank == 0 else None
     state = ServerState(
-        queue, options.api_key, model_name=served_model_name(config), defaults=options.defaults
+        queue,
+        options.api_key,
+        model_name=served_model_name(config),
+        defaults=options.defaults,
+        lora_load_dir=options.lora_load_dir,
     )
     server = _listen(options, state) if local_rank == 0 else None
     if server is not None:
@@ -115,6 +122,13 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
             )
             if problems := defaults_problems(options.defaults, limits):
                 raise ServeDefaultsError("; ".join(problems))
+            if options.lora_load_dir is not None and not hasattr(
+                worker.pipeline, "load_lora_weights"
+            ):
+                raise ServeDefaultsError(
+                    f"--lora-load-dir: {type(worker.pipeline).__name__} has no LoRA loader "
+                    "in diffusers; drop --lora-load-dir"
+                )
             state.set_limits(limits)
             if queue is not None:
                 queue.open()

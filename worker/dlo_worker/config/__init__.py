@@ -31,7 +31,7 @@ from dlo_worker.config.flags import (
     flag_for,
     to_flags,
 )
-from dlo_worker.config.rules import combination_errors, execution_errors
+from dlo_worker.config.rules import combination_errors, execution_errors, runtime_lora_errors
 from dlo_worker.config.schema import (
     DEFAULT_RUNTIME_CACHE_LOCK_TIMEOUT_S,
     ConfigError,
@@ -82,5 +82,6 @@ __all__ = [
     "flag_for",
     "load_settings",
     "resolve",
+    "runtime_lora_errors",
     "to_flags",
 ]

@@ -115,9 +115,13 @@ def _allgather_errors(config: WorkerConfig) -> list[str]:
 
 
 def _lora_errors(config: WorkerConfig) -> list[str]:
-    if config.model.lora and config.model.quantization != Quantization.NONE:
+    return _quantized_adapter_errors(config, "--lora") if config.model.lora else []
+
+
+def _quantized_adapter_errors(config: WorkerConfig, flag: str) -> list[str]:
+    if config.model.quantization != Quantization.NONE:
         return [
-            f"--lora with --quantization {config.model.quantization}: LoRA adapters wrap the "
+            f"{flag} with --quantization {config.model.quantization}: LoRA adapters wrap the "
             "DiT's nn.Linear layers, which quantization replaces; drop one of them"
         ]
     return []
@@ -127,20 +131,40 @@ def _lora_execution_errors(config: WorkerConfig, policy: OffloadPolicy) -> list[
     """``--lora`` runs resident or under DLO, eager, without sequence parallelism."""
     if not config.model.lora:
         return []
+    return _adapter_errors(config, policy, "--lora")
+
+
+def runtime_lora_errors(config: WorkerConfig) -> list[str]:
+    """``serve --lora-load-dir`` (adapters loaded at run time) runs where ``--lora`` runs,
+    and without a GPU memory budget: the budget plans resident blocks once, at start."""
+    flag = "--lora-load-dir"
+    errors = _quantized_adapter_errors(config, flag) + _adapter_errors(
+        config, config.effective().offload_policy, flag
+    )
+    if config.offload.dlo_gpu_memory_budget_gib is not None:
+        errors.append(
+            f"{flag} with --dlo-gpu-memory-budget-gib: the budget plans the resident blocks "
+            "at start, and adapters loaded later would be outside it; give the adapters "
+            "with --lora (counted in the budget), or drop the budget"
+        )
+    return errors
+
+
+def _adapter_errors(config: WorkerConfig, policy: OffloadPolicy, flag: str) -> list[str]:
     errors = []
     if policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD):
         errors.append(
-            "--lora is not run under diffusers' offload modes by this worker release; "
+            f"{flag} is not run under diffusers' offload modes by this worker release; "
             "stream the DiT with --enable-distributed-layerwise-offload, or run resident"
         )
     if config.model.compile:
         errors.append(
-            "--lora with --compile is not run by this worker release (compiled graphs "
+            f"{flag} with --compile is not run by this worker release (compiled graphs "
             "would hold the adapters); drop --compile"
         )
     if config.parallel.sequence_parallel_size > 1:
         errors.append(
-            "--lora with --sequence-parallel-size > 1 is not run by this worker release; "
+            f"{flag} with --sequence-parallel-size > 1 is not run by this worker release; "
             "use data parallelism"
         )
     return errors

@@ -106,7 +106,9 @@ class Options(BaseModel):
 
 MAX_LORA_SCALE = 10.0
 """The largest magnitude of a LoRA adapter's scale (diffusers' own examples stay within 2)."""
-_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""What an adapter's name may be (``--lora NAME=...``, a request's ``loras[].name``)."""
+_LORA_NAME = re.compile(LORA_NAME_PATTERN)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dlo_worker.config import LoraAdapter
 from dlo_worker.engine.images import check_output_path, new_file_mode
-from dlo_worker.engine.request import GenerationRequest, Guidance, RequestLimits
+from dlo_worker.engine.request import AdapterChange, GenerationRequest, Guidance, RequestLimits
 from dlo_worker.errors import UserFixableError
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline import lora
@@ -133,6 +134,16 @@ def request_limits(
 def _config_of(component: object) -> dict[str, Any]:
     config = getattr(component, "config", None)
     return dict(config) if config is not None else {}
+
+
+def change_adapters(pipeline: DiffusionPipeline, change: AdapterChange) -> None:
+    """Load or unload one adapter (raises ``LoraSetupError`` naming ``lora_path`` when the
+    file cannot apply; nothing of it is then left loaded)."""
+    if change.path is None:
+        lora.unload_adapter(pipeline, change.name)
+    else:
+        adapter = LoraAdapter(change.name, change.path)
+        lora.load_adapter(pipeline, adapter, f"lora_path {change.path}")
 
 
 @torch.inference_mode()

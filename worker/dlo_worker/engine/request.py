@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,6 +23,17 @@ from dlo_worker.config.values import MAX_LORA_SCALE
 MAX_IMAGES_PER_REQUEST = 8
 MAX_PROMPT_CHARACTERS = 10_000
 MAX_LORAS_PER_REQUEST = 8
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """A LoRA adapter loaded or unloaded while serving (``serve --lora-load-dir``). It
+    travels through the request queue like a request, so every rank of the engine makes it
+    between the same two waves, after every request queued before it."""
+
+    name: str
+    path: Path | None
+    """The adapter's file or directory to load; None unloads ``name``."""
 
 
 class LoraChoice(BaseModel):
@@ -214,7 +226,7 @@ def request_problems(request: GenerationRequest, limits: RequestLimits) -> list[
 
 
 def _lora_problems(request: GenerationRequest, limits: RequestLimits) -> list[str]:
-    if request.loras is None:
+    if not request.loras:  # none, or the server's default; [] runs none
         return []
     if not limits.adapters and not limits.fused_adapters:
         return [

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from dlo_worker.engine.generation import generate_images
-from dlo_worker.engine.request import GenerationRequest, wave_key
+from dlo_worker.engine.generation import change_adapters, generate_images
+from dlo_worker.engine.request import AdapterChange, GenerationRequest, wave_key
 from dlo_worker.observability import metrics
+from dlo_worker.pipeline.lora import LoraSetupError
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -63,21 +64,28 @@ class GenerationFailedError(RuntimeError):
     """The pipeline raised while running a request (the message says why)."""
 
 
+class AdapterChangeError(RuntimeError):
+    """An adapter could not be loaded (the message names the file and the reason)."""
+
+
 @dataclass(frozen=True)
 class Wave:
     """One lane per DP rank: a request, or None when the rank sits the wave out.
 
     ``discarded`` names the lanes that run a dummy copy only to keep a lockstep wave
-    in step; their images are dropped. ``stop`` ends every rank's loop.
+    in step; their images are dropped. ``change`` is a wave of its own that every rank
+    makes (an adapter loaded or unloaded) instead of running requests. ``stop`` ends
+    every rank's loop.
     """
 
     lanes: tuple[GenerationRequest | None, ...] = ()
     discarded: frozenset[int] = frozenset()
+    change: AdapterChange | None = None
     stop: bool = False
 
     @property
     def empty(self) -> bool:
-        return all(lane is None for lane in self.lanes)
+        return self.change is None and all(lane is None for lane in self.lanes)
 
 
 def choose_wave(
@@ -105,12 +113,29 @@ def choose_wave(
     return chosen, Wave(lanes=tuple(lanes))
 
 
+def _next_wave(
+    pending: list[GenerationRequest | AdapterChange], width: int, lockstep: bool
+) -> tuple[list[int], Wave]:
+    """:func:`choose_wave` among the requests queued before the first adapter change, or
+    that change alone when it is the oldest: a change waits for every request queued
+    before it, and requests queued after it wait for it (pure)."""
+    if pending and isinstance(head := pending[0], AdapterChange):
+        return [0], Wave(lanes=(None,) * width, change=head)
+    requests: list[GenerationRequest] = []
+    for item in pending:
+        if isinstance(item, AdapterChange):
+            break
+        requests.append(item)
+    return choose_wave(requests, width, lockstep)
+
+
 @dataclass(eq=False)
 class Submission:
-    """A queued request. Its future resolves to the request's PNGs; cancelling it before
-    its wave starts (the client went away) drops the request."""
+    """A queued request, or adapter change. Its future resolves to the request's PNGs (an
+    empty list for a change); cancelling a request before its wave starts (the client went
+    away) drops it."""
 
-    request: GenerationRequest
+    request: GenerationRequest | AdapterChange
     future: Future[list[bytes]] = field(default_factory=Future)
     enqueued_at: float = field(default_factory=time.monotonic)
 
@@ -142,7 +167,7 @@ class RequestQueue:
             self._open = False
             self._changed.notify_all()
 
-    def submit(self, request: GenerationRequest) -> Future[list[bytes]]:
+    def submit(self, request: GenerationRequest | AdapterChange) -> Future[list[bytes]]:
         with self._changed:
             if not self._open:
                 raise IntakeClosedError(
@@ -173,7 +198,7 @@ class RequestQueue:
                 self._changed.wait(timeout)
             while True:
                 self._drop_cancelled_locked()
-                chosen, wave = choose_wave([s.request for s in self._pending], width, lockstep)
+                chosen, wave = _next_wave([s.request for s in self._pending], width, lockstep)
                 # Once running, a future can no longer be cancelled: the request runs.
                 if all(self._pending[index].mark_running() for index in chosen):
                     break
@@ -268,6 +293,9 @@ class Engine:
         self._on_intake_closed = on_intake_closed
         self._stop_requested = threading.Event()
         self._intake_lock = threading.Lock()
+        self._undo: AdapterChange | None = None
+        """The leader's: an adapter some ranks loaded and others could not, unloaded by
+        the next wave."""
 
     @property
     def is_leader(self) -> bool:
@@ -313,6 +341,11 @@ class Engine:
             if wave.empty:
                 continue
             waves_run += 1  # every rank counts the same broadcast waves
+            if wave.change is not None:
+                results = self.channel.gather(self._make_change(wave.change))
+                if self.is_leader:
+                    self._deliver_change(taken, wave.change, results)
+                continue
             started = time.monotonic()
             result = self._run_lane(wave, waves_run)
             results = self.channel.gather(result)
@@ -323,11 +356,41 @@ class Engine:
     def _next_wave(self) -> tuple[list[Submission], Wave | None]:
         if not self.is_leader or self.queue is None:
             return [], None
+        if self._undo is not None:
+            undo, self._undo = self._undo, None
+            return [], Wave(lanes=(None,) * self.lanes, change=undo)
         if self._stop_requested.is_set():
             self._close_intake()
             if len(self.queue) == 0:
                 return [], Wave(stop=True)
         return self.queue.take_wave(self.lanes, self.lockstep, HEARTBEAT_S)
+
+    def _make_change(self, change: AdapterChange) -> str | None:
+        """Make an adapter change on this rank: None, or why it failed."""
+        try:
+            change_adapters(self.pipeline, change)
+        except LoraSetupError as error:
+            return str(error)
+        return None
+
+    def _deliver_change(
+        self,
+        taken: list[Submission],
+        change: AdapterChange,
+        results: list[list[bytes] | str | None],
+    ) -> None:
+        """Resolve the change's future: done when every rank made it, else the first
+        rank's reason. Ranks read the same file and fail alike; should some load it and
+        others not (memory), the next wave unloads it everywhere, so no rank keeps an
+        adapter the others lack."""
+        failures = [result for result in results if isinstance(result, str)]
+        if failures and change.path is not None and len(failures) < len(results):
+            self._undo = AdapterChange(change.name, None)
+        for submission in taken:  # none for an undo
+            if failures:
+                submission.future.set_exception(AdapterChangeError(failures[0]))
+            else:
+                submission.future.set_result([])
 
     def _run_lane(self, wave: Wave, number: int) -> list[bytes] | str | None:
         """This rank's images as PNG bytes, an error message, or None when idle, discarded

@@ -78,7 +78,14 @@ NONFINITE_OUTPUTS = Counter(
     "Generations whose decoded image held NaN or infinity (refused, not written).",
 )
 HOST_BACKING = Info("dlo_host_backing", "Where the DiT's streamed weights live on the host.")
-LORA_ADAPTERS = Gauge("dlo_lora_adapters", "LoRA adapters loaded (--lora).")
+LORA_ADAPTERS = Gauge(
+    "dlo_lora_adapters", "LoRA adapters loaded: --lora (fused or not) and loaded while serving."
+)
+LORA_CHANGES = Counter(
+    "dlo_lora_changes_total",
+    "Adapters loaded or unloaded while serving (serve --lora-load-dir), by outcome.",
+    ["action", "outcome"],
+)
 COMPILED_BLOCKS = Gauge("dlo_compiled_blocks", "DiT blocks compiled by --compile.")
 COMPILE_FIRST_FORWARD_SECONDS = Gauge(
     "dlo_compile_first_forward_seconds",

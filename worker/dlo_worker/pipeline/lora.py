@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,8 +45,23 @@ adapter for the DiT alone): a normal event, kept out of the worker's log."""
 
 
 class _NormalEvents(logging.Filter):
+    """Keeps out of the log what diffusers reports as a warning while loading ``adapter``
+    but is normal: a component with none of its keys, and the other loaded adapters'
+    weights as "missing keys" of this one."""
+
+    def __init__(self, adapter: str) -> None:
+        super().__init__()
+        self.adapter = adapter
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "This is safe to ignore" not in record.getMessage()
+        message = record.getMessage()
+        if "This is safe to ignore" in message:
+            return False
+        marker = "missing keys in the model:"
+        if marker in message and "unexpected keys" not in message:
+            keys = message.split(marker, 1)[1]
+            return f".{self.adapter}." in keys  # this adapter's own keys missing: report
+        return True
 
 
 class LoraSetupError(RuntimeError, UserFixableError):
@@ -177,18 +193,57 @@ def _loader(pipeline: object, flag: str) -> Callable[..., object]:
     return loader
 
 
-def _load_quietly(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter) -> None:
-    """:func:`_load`, without diffusers' warning that a component has none of its keys."""
-    quiet = _NormalEvents()
-    logging.getLogger(DIFFUSERS_LORA_LOGGER).addFilter(quiet)
+def load_adapter(pipeline: object, adapter: LoraAdapter, label: str) -> None:
+    """Load one adapter at run time (not active until a request chooses it); refused
+    naming ``label`` (the request's field), with nothing of it left loaded."""
+    loader = _loader(pipeline, label)
     try:
-        _load(pipeline, loader, adapter)
+        _load_quietly(pipeline, loader, adapter, label)
+    except LoraSetupError:
+        if adapter.name in _loaded_names(pipeline):
+            pipeline.delete_adapters([adapter.name])  # type: ignore[attr-defined]
+        raise
+
+
+def unload_adapter(pipeline: object, name: str) -> None:
+    """Remove a loaded adapter's layers and free its device memory (nothing to do when
+    this process does not hold it)."""
+    if name in _loaded_names(pipeline):
+        pipeline.delete_adapters([name])  # type: ignore[attr-defined]
+        logger.info("lora adapter unloaded", extra={"fields": {"name": name}})
+
+
+def _loaded_names(pipeline: object) -> set[str]:
+    """Every adapter name loaded in any component of the pipeline."""
+    listed = getattr(pipeline, "get_list_adapters", None)
+    if listed is None:
+        return set()
+    return {name for names in listed().values() for name in names}
+
+
+def _load_quietly(
+    pipeline: object, loader: Callable[..., object], adapter: LoraAdapter, label: str = ""
+) -> None:
+    """:func:`_load`, without the warnings of normal events (:class:`_NormalEvents`, and
+    PEFT's that a model holding an adapter gets another)."""
+    quiet = _NormalEvents(adapter.name)
+    sources = [logging.getLogger(name) for name in (DIFFUSERS_LORA_LOGGER, DIFFUSERS_PEFT_LOGGER)]
+    for source in sources:
+        source.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            _load(pipeline, loader, adapter, label or f"--lora {adapter}")
     finally:
-        logging.getLogger(DIFFUSERS_LORA_LOGGER).removeFilter(quiet)
+        for source in sources:
+            source.removeFilter(quiet)
 
 
-def _load(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter) -> None:
-    """Load one adapter with ``loader`` (the pipeline's ``load_lora_weights``)."""
+def _load(
+    pipeline: object, loader: Callable[..., object], adapter: LoraAdapter, label: str
+) -> None:
+    """Load one adapter with ``loader`` (the pipeline's ``load_lora_weights``); refusals
+    start with ``label`` (the flag's value, or the request's field)."""
     pipeline_name = type(pipeline).__name__
     with _unexpected_keys() as unexpected:
         try:
@@ -196,20 +251,19 @@ def _load(pipeline: object, loader: Callable[..., object], adapter: LoraAdapter)
         except Exception as error:  # any loader failure is this file's problem
             first_line = (str(error).strip().splitlines() or [""])[0]
             raise LoraSetupError(
-                f"--lora {adapter}: cannot load it ({type(error).__name__}: "
+                f"{label}: cannot load it ({type(error).__name__}: "
                 f"{first_line[:300]}); give a LoRA safetensors file made for "
                 f"{pipeline_name}"
             ) from error
     layers = adapted_layers(pipeline, adapter.name)
     if unexpected:
         raise LoraSetupError(
-            f"--lora {adapter}: {pipeline_name} has no layer for {len(unexpected)} of "
+            f"{label}: {pipeline_name} has no layer for {len(unexpected)} of "
             f"its weights (e.g. {unexpected[0]}); give an adapter made for this model"
         )
     if layers == 0:
         raise LoraSetupError(
-            f"--lora {adapter}: matches no layer of {pipeline_name}; give an adapter "
-            "made for this model"
+            f"{label}: matches no layer of {pipeline_name}; give an adapter made for this model"
         )
     logger.info(
         "lora adapter loaded",
@@ -221,7 +275,8 @@ def select_adapters(pipeline: object, choices: Sequence[tuple[str, float]]) -> N
     """Make exactly ``choices`` (loaded adapters' names and scales) active for the next
     run; none disables LoRA. Adapters are resident, so switching moves no weights."""
     if not choices:
-        pipeline.disable_lora()  # type: ignore[attr-defined]
+        if _loaded_names(pipeline):  # diffusers refuses to disable what was never loaded
+            pipeline.disable_lora()  # type: ignore[attr-defined]
         return
     pipeline.enable_lora()  # type: ignore[attr-defined]
     pipeline.set_adapters(  # type: ignore[attr-defined]

@@ -22,24 +22,28 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from dlo_worker.config.values import LORA_NAME_PATTERN
 from dlo_worker.engine.request import (
     NO_DEFAULTS,
+    AdapterChange,
     GenerationRequest,
     RequestDefaults,
     RequestLimits,
     request_problems,
 )
 from dlo_worker.engine.waves import (
+    AdapterChangeError,
     GenerationFailedError,
     IntakeClosedError,
     QueueFullError,
@@ -53,6 +57,8 @@ logger = logging.getLogger(__name__)
 GENERATE_PATH = "/v1/generate"
 MODELS_PATH = "/v1/models"
 LORAS_PATH = "/v1/loras"
+LOAD_LORA_PATH = "/v1/load_lora_adapter"
+UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
 RETRY_AFTER_S = 5
 
 
@@ -87,6 +93,7 @@ class ServerState:
         api_key: str | None = None,
         model_name: str = "model",
         defaults: RequestDefaults = NO_DEFAULTS,
+        lora_load_dir: Path | None = None,
     ) -> None:
         self.queue = queue
         self.api_key = api_key
@@ -95,6 +102,9 @@ class ServerState:
         """The id ``/v1/models`` lists and OpenAI requests may name."""
         self.defaults = defaults
         """Values for the fields a request leaves out (``serve --default-*``)."""
+        self.lora_load_dir = lora_load_dir
+        """Where adapters may be loaded from while serving (``--lora-load-dir``); None
+        leaves the load and unload routes out."""
         self._phase = Phase.LOADING
         self._limits: RequestLimits | None = None
         self._lock = threading.Lock()
@@ -108,6 +118,27 @@ class ServerState:
     def set_limits(self, limits: RequestLimits) -> None:
         with self._lock:
             self._limits = limits
+
+    def set_adapters(self, adapters: tuple[str, ...]) -> Callable[[], None]:
+        """The adapters requests may choose, after one was loaded or unloaded (an unloaded
+        one also leaves the defaults: a request naming none never runs it). Returns what
+        undoes the change."""
+        with self._lock:
+            if self._limits is None:
+                raise RuntimeError("adapters change only once the pipeline is loaded")
+            limits, defaults = self._limits, self.defaults
+            self._limits = replace(limits, adapters=adapters)
+            if defaults.loras is not None:
+                kept = tuple(choice for choice in defaults.loras if choice.name in adapters)
+                self.defaults = replace(defaults, loras=kept)
+            metrics.LORA_ADAPTERS.set(len(adapters) + len(limits.fused_adapters))
+
+        def undo() -> None:
+            with self._lock:
+                self._limits, self.defaults = limits, defaults
+            metrics.LORA_ADAPTERS.set(len(limits.adapters) + len(limits.fused_adapters))
+
+        return undo
 
     @property
     def phase(self) -> Phase:
@@ -255,7 +286,118 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
         pngs = await _run(request, queue, generation)
         return JSONResponse(images_response(pngs, created=int(time.time())))
 
+    if state.lora_load_dir is not None:
+        _add_adapter_routes(app, state, limits, state.lora_load_dir)
     return app
+
+
+class LoadLoraRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(pattern=LORA_NAME_PATTERN, description="The name requests use.")
+    lora_path: str = Field(
+        min_length=1, max_length=1024, description="A file or directory in --lora-load-dir."
+    )
+
+
+class UnloadLoraRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1, max_length=64)
+
+
+def _add_adapter_routes(app: FastAPI, state: ServerState, limits: HTTPLimits, root: Path) -> None:
+    """Load and unload adapters while serving (``--lora-load-dir``), one change at a time.
+
+    A change goes through the engine's queue (:class:`~dlo_worker.engine.request.AdapterChange`):
+    every rank makes it after the requests queued before it. A loaded adapter becomes a
+    request's choice once every rank holds it; an unloaded one stops being one at once.
+    """
+    changing = asyncio.Lock()
+
+    @app.post(LOAD_LORA_PATH)
+    async def load_lora(request: Request) -> dict:
+        queue = _admitted_queue(request, state)
+        body = _parse(await _read_body(request, limits), LoadLoraRequest)
+        async with changing:
+            current = _loaded_limits(state)
+            if body.lora_name in (*current.adapters, *current.fused_adapters):
+                raise APIError(
+                    409,
+                    f"lora_name: {body.lora_name} is already loaded; unload it first, or "
+                    "choose another name",
+                )
+            path = _adapter_path(root, body.lora_path)
+            await _change(queue, AdapterChange(body.lora_name, path))
+            state.set_adapters((*current.adapters, body.lora_name))
+        return {"id": body.lora_name, "object": "lora", "fused": False, "default_scale": None}
+
+    @app.post(UNLOAD_LORA_PATH)
+    async def unload_lora(request: Request) -> dict:
+        queue = _admitted_queue(request, state)
+        name = _parse(await _read_body(request, limits), UnloadLoraRequest).lora_name
+        async with changing:
+            current = _loaded_limits(state)
+            if name in current.fused_adapters:
+                raise APIError(
+                    400,
+                    f"lora_name: {name} is fused into the weights (--fuse-lora); restart "
+                    "without fusing it to remove it",
+                )
+            if name not in current.adapters:
+                loaded = ", ".join(current.adapters) or "none"
+                raise APIError(404, f"lora_name: {name} is not loaded (loaded: {loaded})")
+            # Requests stop naming it now; those queued before it still run with it.
+            undo = state.set_adapters(tuple(n for n in current.adapters if n != name))
+            try:
+                await _change(queue, AdapterChange(name, None))
+            except APIError:
+                undo()
+                raise
+        return {"id": name, "object": "lora", "deleted": True}
+
+
+def _loaded_limits(state: ServerState) -> RequestLimits:
+    limits = state.limits
+    if limits is None:
+        raise APIError(503, "the engine is loading its model", headers={"Retry-After": "5"})
+    return limits
+
+
+def _adapter_path(root: Path, text: str) -> Path:
+    """``lora_path`` inside ``--lora-load-dir`` (relative to it, or absolute), existing;
+    otherwise 400 naming it. Links are resolved first, so none leads outside."""
+    given = Path(text)
+    resolved = (given if given.is_absolute() else root / given).resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise APIError(
+            400, f"lora_path: {text} is outside --lora-load-dir {root}; give a path inside it"
+        )
+    if not resolved.exists():
+        raise APIError(400, f"lora_path: {text} does not exist in --lora-load-dir {root}")
+    return resolved
+
+
+async def _change(queue: RequestQueue, change: AdapterChange) -> None:
+    """Queue an adapter change and wait until every rank made it (it runs to the end even
+    if the client leaves: ranks must never disagree on their adapters)."""
+    action = "unload" if change.path is None else "load"
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    try:
+        future = queue.submit(change)
+    except IntakeClosedError as error:
+        raise APIError(503, str(error), headers=retry) from None
+    except QueueFullError as error:
+        raise APIError(429, str(error), headers=retry) from None
+    try:
+        await asyncio.shield(asyncio.wrap_future(future))
+    except AdapterChangeError as error:
+        metrics.LORA_CHANGES.labels(action=action, outcome="failed").inc()
+        raise APIError(400, str(error)) from None
+    metrics.LORA_CHANGES.labels(action=action, outcome="ok").inc()
+    logger.info("lora adapters changed", extra={"fields": {"action": action, "name": change.name}})
 
 
 def _admitted_queue(request: Request, state: ServerState) -> RequestQueue:
