@@ -17,7 +17,7 @@ from dlo_worker.offload.adapters import adapter_parameters
 from dlo_worker.offload.errors import AdapterFusingError
 from dlo_worker.pipeline.lora import adapted_layers
 from tests.support.lora import ATTENTION_PROJECTIONS, write_flux_lora
-from tests.support.tiny_models import tiny_flux
+from tests.support.tiny_models import tiny_dit, tiny_flux
 
 ADAPTER_SETTINGS: list[tuple[list[str], list[float]]] = [
     (["a"], [1.0]),
@@ -112,6 +112,45 @@ def test_adapters_on_streamed_blocks_are_bitwise_equal_to_resident(
     assert len({image.sum().item() for image in resident}) == len(resident)  # each differs
     # Adapters stay beside the streamed weights: not a byte more is streamed.
     assert stats.bytes_streamed == bytes_streamed_without_adapters
+
+
+@pytest.mark.parametrize("loaded", ["before enable", "after enable"])
+def test_peft_adapters_on_the_class_conditional_dit_are_bitwise_equal_to_resident(
+    loaded: str,
+) -> None:
+    """The DiT demo's transformer has no LoRA loader in diffusers; PEFT injects adapters
+    into it directly, and DLO streams it with them as with Flux's."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    def with_adapter(model: torch.nn.Module) -> None:
+        config = LoraConfig(
+            r=4, lora_alpha=8, target_modules=list(ATTENTION_PROJECTIONS), init_lora_weights=False
+        )
+        inject_adapter_in_model(config, model, adapter_name="a")
+        generator = torch.Generator().manual_seed(5)
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                with torch.no_grad():
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+    reference = tiny_dit(0)
+    with_adapter(reference.model)
+    with torch.inference_mode():
+        expected = reference.forward()
+        plain = tiny_dit(0).forward()
+    case = tiny_dit(0)
+    if loaded == "before enable":
+        with_adapter(case.model)
+    backend = enable_dlo(case.model, device="cpu", use_allgather=False)
+    try:
+        if loaded == "after enable":
+            with_adapter(case.model)
+        with torch.inference_mode():
+            streamed = case.forward()
+    finally:
+        backend.disable()
+    assert torch.equal(streamed, expected)
+    assert not torch.equal(expected, plain)  # the adapter took effect
 
 
 def test_fusing_into_streamed_weights_is_refused_and_changes_nothing(

@@ -127,7 +127,6 @@ def test_an_adapter_that_cannot_apply_exits_2_naming_it(
     ("flags", "message"),
     [
         (("--quantization", "fp8"), "--lora with --quantization fp8: LoRA adapters wrap"),
-        (("--compile",), "--lora with --compile is not run by this worker release"),
         (("--lora", "a=/x:11"), "the scale must be a number from -10 to 10"),
         (("--lora", "a=/y"), "--lora names a more than once; one each"),
     ],

@@ -243,6 +243,38 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
         assert "peft_config" not in log, log
 
 
+def test_compiled_blocks_switch_adapters_and_scales_without_recompiling(
+    flux_model_dir: Path, lora_flags: list[str], tmp_path: Path
+) -> None:
+    """Rank-local DLO with --compile: requests choosing other adapters and scales reuse
+    the compiled graphs (no recompile), a choice draws the same bytes whenever it comes,
+    and they are the resident compiled worker's."""
+    from tests.integration.test_generate_dlo import run_single
+
+    port = free_port()
+    flags = (*DLO[:1], "--dlo-no-use-allgather", "--compile", *lora_flags)
+    server = Server(
+        [sys.executable, "-m", "dlo_worker", *serve_command(flux_model_dir, port, *flags)], port
+    )
+    order = ["a", "mix", "none", "explicit default", "a"]
+    try:
+        server.wait_ready()
+        served = [images_of(server.generate(REQUESTS[name])) for name in order]
+        metrics = requests.get(f"{server.url}/metrics", timeout=5).text
+    finally:
+        output = server.stop()
+    assert server.process.returncode == 0, output
+    assert served[0] == served[-1]  # the same choice, after three others
+    assert len({pngs[0] for pngs in served}) == 4  # each choice reached the graphs
+    assert "dlo_compile_recompiles 0.0" in metrics, metrics
+    assert re.search(r"dlo_compiled_blocks [1-9]", metrics)
+    out = tmp_path / "mix.png"
+    generate_flags = ("--prompt", "a red cat", "--width", "32", "--height", "32", "--steps", "2")
+    mix = ("--use-lora", "a:0.5", "--use-lora", "b:-1")
+    run_single(flux_model_dir, out, 4, *generate_flags, "--compile", *lora_flags, *mix)
+    assert served[1] == [out.read_bytes()]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

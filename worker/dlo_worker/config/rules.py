@@ -128,10 +128,11 @@ def _quantized_adapter_errors(config: WorkerConfig, flag: str) -> list[str]:
 
 
 def _lora_execution_errors(config: WorkerConfig, policy: OffloadPolicy) -> list[str]:
-    """``--lora`` runs resident or under DLO, eager, without sequence parallelism."""
+    """``--lora`` runs resident or under DLO, eager or compiled, without sequence
+    parallelism."""
     if not config.model.lora:
         return []
-    return _adapter_errors(config, policy, "--lora")
+    return _adapter_errors(config, policy, "--lora", compiled=True)
 
 
 def runtime_lora_errors(config: WorkerConfig) -> list[str]:
@@ -150,17 +151,23 @@ def runtime_lora_errors(config: WorkerConfig) -> list[str]:
     return errors
 
 
-def _adapter_errors(config: WorkerConfig, policy: OffloadPolicy, flag: str) -> list[str]:
+def _adapter_errors(
+    config: WorkerConfig, policy: OffloadPolicy, flag: str, *, compiled: bool = False
+) -> list[str]:
+    """Where adapters do not run: diffusers' offload modes, sequence parallelism and,
+    unless ``compiled``, ``--compile`` (adapters loaded while serving would change the
+    compiled graphs)."""
     errors = []
     if policy in (OffloadPolicy.MODEL_CPU_OFFLOAD, OffloadPolicy.LAYERWISE_OFFLOAD):
         errors.append(
             f"{flag} is not run under diffusers' offload modes by this worker release; "
             "stream the DiT with --enable-distributed-layerwise-offload, or run resident"
         )
-    if config.model.compile:
+    if config.model.compile and not compiled:
         errors.append(
-            f"{flag} with --compile is not run by this worker release (compiled graphs "
-            "would hold the adapters); drop --compile"
+            f"{flag} with --compile is not run by this worker release (an adapter loaded "
+            "while serving would change the compiled graphs); give the adapters with --lora, "
+            "or drop --compile"
         )
     if config.parallel.sequence_parallel_size > 1:
         errors.append(

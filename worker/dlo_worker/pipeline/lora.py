@@ -178,9 +178,7 @@ def load_adapters(pipeline: object, adapters: Sequence[LoraAdapter]) -> None:
     loader = _loader(pipeline, "--lora")
     for adapter in adapters:
         _load_quietly(pipeline, loader, adapter)
-    pipeline.set_adapters(  # type: ignore[attr-defined]
-        [adapter.name for adapter in adapters], [adapter.scale for adapter in adapters]
-    )
+    select_adapters(pipeline, [(adapter.name, adapter.scale) for adapter in adapters])
 
 
 def _loader(pipeline: object, flag: str) -> Callable[..., object]:
@@ -197,6 +195,7 @@ def load_adapter(pipeline: object, adapter: LoraAdapter, label: str) -> None:
     """Load one adapter at run time (not active until a request chooses it); refused
     naming ``label`` (the request's field), with nothing of it left loaded."""
     loader = _loader(pipeline, label)
+    selection(pipeline).forget()
     try:
         _load_quietly(pipeline, loader, adapter, label)
     except LoraSetupError:
@@ -209,13 +208,16 @@ def unload_adapter(pipeline: object, name: str) -> None:
     """Remove a loaded adapter's layers and free its device memory (nothing to do when
     this process does not hold it)."""
     if name in _loaded_names(pipeline):
+        selection(pipeline).forget()
         pipeline.delete_adapters([name])  # type: ignore[attr-defined]
         logger.info("lora adapter unloaded", extra={"fields": {"name": name}})
 
 
-def _loaded_names(pipeline: object) -> set[str]:
-    """Every adapter name loaded in any component of the pipeline."""
-    listed = getattr(pipeline, "get_list_adapters", None)
+def _loaded_names(target: object) -> set[str]:
+    """Every adapter name loaded in any component of a pipeline, or in a model."""
+    if isinstance(target, nn.Module):
+        return set(getattr(target, "peft_config", {}))
+    listed = getattr(target, "get_list_adapters", None)
     if listed is None:
         return set()
     return {name for names in listed().values() for name in names}
@@ -271,17 +273,83 @@ def _load(
     )
 
 
+SELECTION_ATTRIBUTE = "_dlo_lora_selection"
+"""The pipeline attribute holding its :class:`AdapterSelection` (set by :func:`selection`)."""
+
+
+class AdapterSelection:
+    """Which adapters and scales the next run of a pipeline uses, switched per request.
+
+    Eager, with diffusers' ``set_adapters`` (only the chosen adapters run; unchanged
+    choices are not set again). Compiled (:meth:`for_compiled_blocks`), every loaded
+    adapter stays active and its scale is a device tensor a request fills in (0 when not
+    chosen): compiled graphs read the tensors, so switching adapters or scales compiles
+    nothing, where a new active set or a new float scale would fail Dynamo's guards. Each
+    loaded adapter then runs on every request.
+    """
+
+    def __init__(self) -> None:
+        self._current: tuple[tuple[str, float], ...] | None = None
+        self._scales: dict[tuple[str, float], torch.Tensor] | None = None
+        """Compiled: one scale tensor per adapter and per-layer base scale (PEFT's alpha
+        over rank), shared by the layers with that base."""
+
+    def select(self, pipeline: object, choices: Sequence[tuple[str, float]]) -> None:
+        chosen = tuple(choices)
+        if self._scales is not None:
+            weights = dict(chosen)
+            for (name, base), tensor in self._scales.items():
+                tensor.fill_(base * weights.get(name, 0.0))
+            return
+        if chosen == self._current:
+            return
+        if not chosen:
+            if _loaded_names(pipeline):  # diffusers refuses to disable what was never loaded
+                pipeline.disable_lora()  # type: ignore[attr-defined]
+        else:
+            pipeline.enable_lora()  # type: ignore[attr-defined]
+            pipeline.set_adapters(  # type: ignore[attr-defined]
+                [name for name, _ in chosen], [scale for _, scale in chosen]
+            )
+        self._current = chosen
+
+    def forget(self) -> None:
+        """Adapters were loaded or unloaded: the next request sets its choice again."""
+        self._current = None
+
+    def for_compiled_blocks(self, pipeline: object, device: torch.device) -> None:
+        """Before the blocks compile: every loaded adapter active, its scales tensors (a
+        pipeline, or a DiT with diffusers' PEFT methods)."""
+        names = sorted(_loaded_names(pipeline))
+        if not names:
+            return
+        pipeline.enable_lora()  # type: ignore[attr-defined]
+        pipeline.set_adapters(names, [1.0] * len(names))  # type: ignore[attr-defined]
+        scales: dict[tuple[str, float], torch.Tensor] = {}
+        for name in names:
+            for layer in _adapter_layers(pipeline, name):
+                base = float(layer.scaling[name])
+                tensor = scales.setdefault(
+                    (name, base), torch.zeros((), dtype=torch.float32, device=device)
+                )
+                layer.scaling[name] = tensor
+        self._scales = scales
+        self._current = None
+
+
+def selection(pipeline: object) -> AdapterSelection:
+    """The pipeline's adapter selection (created on first use)."""
+    found = getattr(pipeline, SELECTION_ATTRIBUTE, None)
+    if found is None:
+        found = AdapterSelection()
+        setattr(pipeline, SELECTION_ATTRIBUTE, found)
+    return found
+
+
 def select_adapters(pipeline: object, choices: Sequence[tuple[str, float]]) -> None:
     """Make exactly ``choices`` (loaded adapters' names and scales) active for the next
     run; none disables LoRA. Adapters are resident, so switching moves no weights."""
-    if not choices:
-        if _loaded_names(pipeline):  # diffusers refuses to disable what was never loaded
-            pipeline.disable_lora()  # type: ignore[attr-defined]
-        return
-    pipeline.enable_lora()  # type: ignore[attr-defined]
-    pipeline.set_adapters(  # type: ignore[attr-defined]
-        [name for name, _ in choices], [scale for _, scale in choices]
-    )
+    selection(pipeline).select(pipeline, choices)
 
 
 def adapted_layers(pipeline: object, name: str) -> int:
@@ -293,10 +361,14 @@ def _adapter_layers(
     pipeline: object, name: str, skip_components: frozenset[str] = frozenset()
 ) -> list[Any]:
     """The PEFT tuner layers carrying adapter ``name`` in the pipeline's components but
-    ``skip_components``."""
+    ``skip_components`` (or in a model given instead of a pipeline)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    components = getattr(pipeline, "components", {})
+    components = (
+        {"model": pipeline}
+        if isinstance(pipeline, nn.Module)
+        else getattr(pipeline, "components", {})
+    )
     return [
         module
         for component_name, component in components.items()

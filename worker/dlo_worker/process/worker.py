@@ -136,6 +136,8 @@ class Worker:
         # After DLO: adapters then live on the device beside the streamed weights.
         lora.load_adapters(self.pipeline, self.config.model.switchable_lora_adapters)
         if (mode := self.config.effective().compile) is not None:
+            # Adapters chosen per request through scale tensors: switching never recompiles.
+            lora.selection(self.pipeline).for_compiled_blocks(self.pipeline, self.device)
             # Last: DLO routes each streamed block's compile() to its forward.
             self.compiled = compilation.compile_blocks(
                 self.pipeline,
