@@ -72,20 +72,27 @@ def switch_seconds(model: torch.nn.Module, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def measured_row(
+    model: torch.nn.Module, inputs: dict, repeats: int, streamed: object | None
+) -> dict:
+    """:func:`timed`, and under DLO (``streamed``, its backend) the bytes per step."""
+    before = streamed.stats().bytes_streamed if streamed is not None else 0  # type: ignore[attr-defined]
+    measured = timed(model, inputs, repeats)
+    if streamed is not None:
+        forwards = 2 * (2 + repeats)  # warmups and repeats of both timings
+        after = streamed.stats().bytes_streamed  # type: ignore[attr-defined]
+        measured["bytes_streamed_per_step"] = (after - before) / forwards
+    print(json.dumps(measured), flush=True)
+    return measured
+
+
 def rows_with_adapters(
     model: torch.nn.Module, inputs: dict, repeats: int, streamed: object | None
 ) -> tuple[dict, torch.Tensor]:
     """0, 1 and 4 loaded adapters (one active); the output with adapter a."""
 
     def row() -> dict:
-        before = streamed.stats().bytes_streamed if streamed is not None else 0  # type: ignore[attr-defined]
-        measured = timed(model, inputs, repeats)
-        if streamed is not None:
-            forwards = 2 * (2 + repeats)  # warmups and repeats of both timings
-            after = streamed.stats().bytes_streamed  # type: ignore[attr-defined]
-            measured["bytes_streamed_per_step"] = (after - before) / forwards
-        print(json.dumps(measured), flush=True)
-        return measured
+        return measured_row(model, inputs, repeats, streamed)
 
     rows = {"0 adapters": row()}
     add_adapter(model, "a")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from flux_dlo import build_flux, flux_inputs, release
-from flux_lora import NAMES, add_adapter, output, timed
+from flux_lora import NAMES, add_adapter, measured_row, output
 
 from dlo_worker.config import CompileMode
 from dlo_worker.pipeline.compilation import compile_blocks
@@ -79,14 +79,7 @@ def rows(
     """The no-adapter row, then the four adapters added and one row per choice."""
 
     def row() -> dict:
-        before = streamed.stats().bytes_streamed if streamed is not None else 0  # type: ignore[attr-defined]
-        measured = timed(model, inputs, repeats)
-        if streamed is not None:
-            forwards = 2 * (2 + repeats)  # warmups and repeats of both timings
-            after = streamed.stats().bytes_streamed  # type: ignore[attr-defined]
-            measured["bytes_streamed_per_step"] = (after - before) / forwards
-        print(json.dumps(measured), flush=True)
-        return measured
+        return measured_row(model, inputs, repeats, streamed)
 
     plain = compiled(model, device)
     report: dict = {"first_step_s (0 adapters)": first_step(model, inputs), "0 adapters": row()}
