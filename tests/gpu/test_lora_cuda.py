@@ -78,7 +78,8 @@ def test_adapters_chosen_per_forward_are_bitwise_equal_to_resident_on_cuda(
         backend.disable()
     assert all(torch.equal(a, b) for a, b in zip(expected, streamed, strict=True))
     assert torch.equal(streamed[0], streamed[-1])  # the same choice, after three others
-    assert len({tensor.sum().item() for tensor in streamed[:4]}) == 4  # each choice applied
+    # Each choice applied: no two of the four choices draw the same output.
+    assert not any(torch.equal(streamed[i], streamed[j]) for i in range(4) for j in range(i))
     assert recompiles == resident_recompiles == 0
     assert stats.streamed_blocks > 0
 
