@@ -256,6 +256,22 @@ def test_the_runtime_cache_keeps_fused_weights_under_an_identity_of_their_own(
     assert len({digest(tmp_path / f"{name}.png") for name in ("warm", "rescaled", "other")}) == 3
 
 
+def test_an_adapter_above_the_rank_limit_exits_2_unless_fused(
+    flux_model_dir: Path, loras: dict[str, Path], resident_fused: dict[int, str], tmp_path: Path
+) -> None:
+    """The demo adapters have rank 4: a limit of 2 refuses them beside the weights, and
+    leaves fusing (which costs nothing per step) alone."""
+    limit = ("--max-lora-rank", "2")
+    stderr = refused_generate(
+        flux_model_dir, tmp_path / "x.png", *PROMPT, *RANK_LOCAL, *_fused(loras), *limit
+    )
+    assert f"--lora b={loras['b']}:1: its rank is 4, above --max-lora-rank 2" in stderr
+    out = tmp_path / "fused.png"
+    only_fused = ("--lora", f"a={loras['a']}:0.8", "--fuse-lora", "a")
+    run_single(flux_model_dir, out, 11, *PROMPT, *RANK_LOCAL, *only_fused, *limit)
+    assert digest(out) == resident_fused[11]
+
+
 def test_requests_cannot_choose_a_fused_adapter_nor_fuse_one_not_loaded(
     flux_model_dir: Path, loras: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -129,9 +129,16 @@ DLO = ("--enable-distributed-layerwise-offload", "--data-parallel-size", "2")
 
 
 @pytest.fixture(scope="module")
-def load_dir(lora_flags: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Adapter ``b`` of the resident server's (a directory), and a truncated file."""
+def load_dir(
+    flux_model_dir: Path, lora_flags: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """Adapter ``b`` of the resident server's (a directory), a truncated file, and an
+    adapter of rank 8."""
+    from diffusers import FluxTransformer2DModel
+
     root = tmp_path_factory.mktemp("load-dir")
+    transformer = FluxTransformer2DModel.from_pretrained(flux_model_dir / "transformer")
+    write_flux_lora(transformer, root / "rank8", seed=9, rank=8)
     b = Path(lora_flags[3].removeprefix("b="))
     (root / "b").mkdir()
     (root / "b" / "pytorch_lora_weights.safetensors").write_bytes(
@@ -161,6 +168,7 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
 ) -> None:
     port = free_port()
     flags = (*DLO, *lora_flags[:2], "--lora-load-dir", str(load_dir), "--api-key", "s3cret")
+    flags = (*flags, "--max-lora-rank", "4")
     server = Server(torchrun_command(serve_command(flux_model_dir, port, *flags), tmp_path), port)
     try:
         server.wait_ready()
@@ -174,6 +182,7 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
                 "missing": {"lora_name": "c", "lora_path": "nowhere"},
                 "truncated": {"lora_name": "c", "lora_path": "truncated.safetensors"},
                 "bad name": {"lora_name": "c d", "lora_path": "b"},
+                "rank": {"lora_name": "c", "lora_path": "rank8"},
             }.items()
         }
         served = {
@@ -211,9 +220,11 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
     assert "lora_path: ../b is outside --lora-load-dir" in refused["outside"].text
     assert "lora_path: nowhere does not exist" in refused["missing"].text
     assert "lora_path " in refused["truncated"].text
-    assert "cannot load it (OSError" in refused["truncated"].text
+    assert "truncated.safetensors: cannot load it (" in refused["truncated"].text
     assert refused["bad name"].status_code == 422
-    assert all(refused[name].status_code == 400 for name in ("outside", "missing", "truncated"))
+    assert "its rank is 8, above --max-lora-rank 4" in refused["rank"].text
+    failed = ("outside", "missing", "truncated", "rank")
+    assert all(refused[name].status_code == 400 for name in failed)
     for name, pngs in served.items():
         assert pngs == resident[name], name
     assert listed == [
@@ -229,7 +240,7 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
     assert default == a_alone  # a request naming none runs the --lora adapter alone now
     assert "dlo_lora_adapters 1.0" in metrics
     assert 'dlo_lora_changes_total{action="load",outcome="ok"} 1.0' in metrics
-    assert 'dlo_lora_changes_total{action="load",outcome="failed"} 1.0' in metrics
+    assert 'dlo_lora_changes_total{action="load",outcome="failed"} 2.0' in metrics
     assert 'dlo_lora_changes_total{action="unload",outcome="ok"} 1.0' in metrics
     logs = rank_logs(tmp_path)
     for rank in (0, 1):  # every rank made each change, between the same waves

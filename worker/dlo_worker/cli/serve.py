@@ -87,6 +87,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
         model_name=served_model_name(config),
         defaults=options.defaults,
         lora_load_dir=options.lora_load_dir,
+        max_lora_rank=config.model.max_lora_rank,
     )
     server = _listen(options, state) if local_rank == 0 else None
     if server is not None:

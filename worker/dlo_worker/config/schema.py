@@ -92,6 +92,14 @@ class ModelOptions(Options):
         "entry keyed by the adapters' content, never a shared checkpoint mapping.",
     )
 
+    max_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="The largest rank a LoRA adapter kept beside the weights may have "
+        "(--lora not fused, and adapters loaded while serving); a larger one is refused "
+        "naming its rank. Default: no limit.",
+    )
+
     @field_validator("lora", mode="before")
     @classmethod
     def _parse_loras(cls, value: object) -> object:

@@ -143,7 +143,7 @@ def change_adapters(pipeline: DiffusionPipeline, change: AdapterChange) -> None:
         lora.unload_adapter(pipeline, change.name)
     else:
         adapter = LoraAdapter(change.name, change.path)
-        lora.load_adapter(pipeline, adapter, f"lora_path {change.path}")
+        lora.load_adapter(pipeline, adapter, f"lora_path {change.path}", change.max_rank)
 
 
 @torch.inference_mode()

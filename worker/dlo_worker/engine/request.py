@@ -34,6 +34,8 @@ class AdapterChange:
     name: str
     path: Path | None
     """The adapter's file or directory to load; None unloads ``name``."""
+    max_rank: int | None = None
+    """``--max-lora-rank``: a loaded adapter's rank may not exceed it."""
 
 
 class LoraChoice(BaseModel):

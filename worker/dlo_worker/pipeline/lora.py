@@ -78,6 +78,42 @@ def check_files(adapters: Sequence[LoraAdapter]) -> None:
             )
 
 
+def check_ranks(adapters: Sequence[LoraAdapter], max_rank: int | None) -> None:
+    """Before anything loads: no adapter's rank exceeds ``--max-lora-rank``."""
+    for adapter in adapters:
+        _check_rank(adapter, max_rank, f"--lora {adapter}")
+
+
+def _check_rank(adapter: LoraAdapter, max_rank: int | None, label: str) -> None:
+    if max_rank is None:
+        return
+    rank = _rank(adapter, label)
+    if rank > max_rank:
+        raise LoraSetupError(
+            f"{label}: its rank is {rank}, above --max-lora-rank {max_rank}; give an adapter "
+            "of a lower rank, or raise the limit"
+        )
+
+
+def _rank(adapter: LoraAdapter, label: str) -> int:
+    """The adapter's largest rank, from its file's header: the rows of its down
+    projections (``lora_A`` in diffusers' and PEFT's names, ``lora_down`` in Kohya's)."""
+    path = _weights_file(adapter)
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            ranks = [
+                weights.get_slice(key).get_shape()[0]
+                for key in weights.keys()  # noqa: SIM118 (a safe_open handle, not a dict)
+                if ".lora_A." in key or ".lora_down." in key
+            ]
+    except Exception as error:  # a header that does not parse is this file's problem
+        raise LoraSetupError(
+            f"{label}: cannot load it ({type(error).__name__}: {error}); give a LoRA "
+            "safetensors file"
+        ) from error
+    return max(ranks, default=0)
+
+
 def device_bytes(adapters: Sequence[LoraAdapter], dtype: torch.dtype) -> int:
     """Device bytes the adapters take once loaded in ``dtype``: every tensor of their
     files, read from the headers (a text-encoder part included, so never less)."""
@@ -191,9 +227,12 @@ def _loader(pipeline: object, flag: str) -> Callable[..., object]:
     return loader
 
 
-def load_adapter(pipeline: object, adapter: LoraAdapter, label: str) -> None:
+def load_adapter(
+    pipeline: object, adapter: LoraAdapter, label: str, max_rank: int | None = None
+) -> None:
     """Load one adapter at run time (not active until a request chooses it); refused
     naming ``label`` (the request's field), with nothing of it left loaded."""
+    _check_rank(adapter, max_rank, label)
     loader = _loader(pipeline, label)
     selection(pipeline).forget()
     try:

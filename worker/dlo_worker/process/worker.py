@@ -106,6 +106,9 @@ class Worker:
         compilation.check_device(self.config.effective().compile, self.device)
         diffusers_offload.check_model(policy, self.model_dir, DIT_COMPONENTS)
         lora.check_files(self.config.model.lora_adapters)
+        lora.check_ranks(
+            self.config.model.switchable_lora_adapters, self.config.model.max_lora_rank
+        )
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

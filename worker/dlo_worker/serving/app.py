@@ -91,9 +91,11 @@ class ServerState:
         self,
         queue: RequestQueue | None,
         api_key: str | None = None,
+        *,
         model_name: str = "model",
         defaults: RequestDefaults = NO_DEFAULTS,
         lora_load_dir: Path | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.queue = queue
         self.api_key = api_key
@@ -105,6 +107,8 @@ class ServerState:
         self.lora_load_dir = lora_load_dir
         """Where adapters may be loaded from while serving (``--lora-load-dir``); None
         leaves the load and unload routes out."""
+        self.max_lora_rank = max_lora_rank
+        """``--max-lora-rank``: adapters loaded while serving may not exceed it."""
         self._phase = Phase.LOADING
         self._limits: RequestLimits | None = None
         self._lock = threading.Lock()
@@ -330,7 +334,7 @@ def _add_adapter_routes(app: FastAPI, state: ServerState, limits: HTTPLimits, ro
                     "choose another name",
                 )
             path = _adapter_path(root, body.lora_path)
-            await _change(queue, AdapterChange(body.lora_name, path))
+            await _change(queue, AdapterChange(body.lora_name, path, state.max_lora_rank))
             state.set_adapters((*current.adapters, body.lora_name))
         return {"id": body.lora_name, "object": "lora", "fused": False, "default_scale": None}
 
