@@ -70,6 +70,8 @@ def test_rank_local_dlo_with_adapters_writes_the_resident_bytes(
     result = run_single(flux_model_dir, out, 11, *PROMPT, *RANK_LOCAL, *_adapter_flags(loras, spec))
     assert digest(out) == resident[(spec, 11)]
     assert result.stderr.count('msg="lora adapter loaded"') == len(spec.split("+"))
+    # Adapters kept beside the weights leave the checkpoint mapping shared and untouched.
+    assert "host_backing=checkpoint-mmap" in result.stderr
     assert "safe to ignore" not in result.stderr  # diffusers' normal events stay quiet
 
 
