@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dlo_worker.runtime_cache.identity import FORMAT_VERSION
 from tests.support.generate import digest
 from tests.support.runtime_cache import (
     attached,
@@ -198,7 +199,7 @@ TAMPERING = {
     "shape": (_edit_a_shape, "in the model"),
     "swapped-names": (_swap_two_names, "packed block layout"),
     "content-digest": (_change_the_content_digest, "does not hash to the key"),
-    "file-outside": (_point_a_file_outside, "not a format 3 manifest"),
+    "file-outside": (_point_a_file_outside, f"not a format {FORMAT_VERSION} manifest"),
 }
 
 
