@@ -1,8 +1,9 @@
 """The one compiled part of diffusion-dlo; everything else is in pyproject.toml.
 
 The staging ring's packers and copy feeder are plain C loaded with ctypes (no Python
-API). The extension is optional: without a C compiler the install still succeeds, and
-``OffloadConfig(staging_ring=True)`` then says the ring was not built.
+API). The extension is optional: without a C compiler the install still succeeds, and the
+worker stages through block buffers with one warning saying why (``--dlo-staging ring``
+is then refused). The worker image builds it in its build stage.
 """
 
 from setuptools import Extension, setup

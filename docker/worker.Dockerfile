@@ -4,13 +4,29 @@
 # BASE_IMAGE: any Debian-based image with Python 3.11 and pip on PATH (the local test
 # cluster builds one with debootstrap; see tests/harness/images.py).
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
-WORKDIR /opt/diffusion-dlo
+
+# Build stage: the wheel, with the native staging ring compiled (a C compiler lives here
+# only). The build fails rather than ship a worker that falls back to block buffers.
+FROM ${BASE_IMAGE} AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY worker ./worker
 COPY operator ./operator
+RUN --mount=type=cache,target=/root/.cache/pip pip wheel --no-deps --wheel-dir /wheels .
+RUN python3 -c "import glob, zipfile; \
+names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
+assert any('_staging_ring' in name and name.endswith('.so') for name in names), \
+'the native staging ring was not built: see the compiler output above'"
+
+# Runtime stage: the wheel and its dependencies, no compiler.
+FROM ${BASE_IMAGE}
+COPY --from=build /wheels /tmp/wheels
 # The pip cache mount keeps downloaded wheels between builds, outside the image.
-RUN --mount=type=cache,target=/root/.cache/pip pip install ".[worker]"
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install "$(ls /tmp/wheels/*.whl)[worker]" && rm -rf /tmp/wheels
 # A non-root user (the operator renders runAsUser 65532 and mounts an emptyDir on $HOME,
 # since the root filesystem is read-only in its Pods).
 RUN groupadd --gid 65532 dlo \

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from dlo_worker.config import CompileMode, DType, Quantization, SkipLoad
+from dlo_worker.config import CompileMode, DType, Quantization, SkipLoad, Staging
 from dlo_worker.config.values import LORA_NAME_PATTERN
 
 GROUP = "dlo.dev"
@@ -352,6 +352,32 @@ class RuntimeCache(_Api):
     )
 
 
+class StagingOptions(_Api):
+    """How rank-local DLO packs mapped blocks (a checkpoint mapping or runtime-cache entry
+    that is not registered) for the copy engine."""
+
+    mode: Staging = Field(
+        default=Staging.AUTO,
+        description="ring (the native ring of cache-sized chunks), buffers (block-sized "
+        "pinned buffers), or auto: the ring where the worker image built it, else buffers.",
+    )
+    chunk_mib: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        alias="chunkMiB",
+        description="Chunk size (MiB) of the staging ring (default: from the node CPU's "
+        "last-level cache).",
+    )
+    pack_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="Threads per rank that pack mapped blocks (default: the rank's share of "
+        "the CPUs it may run on, at most 8).",
+    )
+
+
 class Offload(_Api):
     """DLO options, mirroring the worker's ``--dlo-*`` flags."""
 
@@ -380,6 +406,9 @@ class Offload(_Api):
     )
     runtime_cache: RuntimeCache = Field(
         default=RuntimeCache(), description="The node-local runtime weight cache."
+    )
+    staging: StagingOptions = Field(
+        default=StagingOptions(), description="How mapped blocks are packed for the GPU."
     )
 
 

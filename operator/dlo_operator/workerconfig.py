@@ -127,6 +127,13 @@ CRD_FIELDS: dict[str, CrdField] = {
         "offload.allGatherShardBuffers", lambda spec: spec.offload.all_gather_shard_buffers
     ),
     "dlo_block_paths": CrdField("offload.blockPaths", _block_paths),
+    "dlo_staging": CrdField("offload.staging.mode", lambda spec: spec.offload.staging.mode),
+    "dlo_staging_chunk_mib": CrdField(
+        "offload.staging.chunkMiB", lambda spec: spec.offload.staging.chunk_mib
+    ),
+    "dlo_pack_threads": CrdField(
+        "offload.staging.packThreads", lambda spec: spec.offload.staging.pack_threads
+    ),
     "dlo_enable_runtime_cache": CrdField(
         "offload.runtimeCache.enabled", lambda spec: spec.offload.runtime_cache.enabled
     ),

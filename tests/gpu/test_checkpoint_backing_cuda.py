@@ -42,17 +42,54 @@ def resident(variants: dict[str, Path]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rank_local_staging_on_cuda_is_bitwise_equal(variant, variants, resident) -> None:
-    outputs, worker = run_worker(worker_config(variants[variant], dlo=True, device="cuda"))
+    """Block buffers, asked for (the ring is the default)."""
+    config = worker_config(variants[variant], dlo=True, device="cuda", dlo_staging="buffers")
+    outputs, worker = run_worker(config)
     assert all(torch.equal(a, b) for a, b in zip(outputs, resident, strict=True))
     assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
     stats = worker.stats
     assert stats.host_bytes == 0
     assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
-    assert stats.on_demand_loads == 0  # the staging ring prefetches like the pinned one
+    assert stats.on_demand_loads == 0  # the staging buffers prefetch like the pinned arena
     assert stats.staging == "buffers"
 
 
-@pytest.mark.parametrize("chunk_bytes", [4096, OffloadConfig().staging_ring_chunk_bytes])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_default_staging_on_cuda_is_the_ring(variant, variants, resident) -> None:
+    outputs, worker = run_worker(worker_config(variants[variant], dlo=True, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, resident, strict=True))
+    stats = worker.stats
+    assert (stats.staging, stats.staging_reason) == ("ring", "default")
+    assert stats.on_demand_loads == 0
+    assert stats.ring_chunks > 0
+    assert stats.h2d_gbps > 0
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["ring", "registered"])
+def test_fp8_from_the_runtime_cache_on_cuda_is_bitwise_equal(
+    registered: bool, variants, tmp_path: Path
+) -> None:
+    """FP8 block weights in a runtime-cache entry, staged through the ring or registered,
+    write the resident FP8 outputs; the second start binds the entry without loading."""
+    fp8 = {"quantization": "fp8"}
+    expected, _ = run_worker(worker_config(variants["single"], dlo=False, device="cuda", model=fp8))
+    cached = {
+        "dlo_enable_runtime_cache": True,
+        "dlo_runtime_cache_root": str(tmp_path / "cache"),
+        "dlo_runtime_cache_pin_limit_gib": 1.0 if registered else 0.0,
+    }
+    config = worker_config(variants["single"], dlo=True, device="cuda", model=fp8, **cached)
+    for start in ("built entry", "skip-load hit"):
+        outputs, worker = run_worker(config)
+        assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True)), start
+        assert worker.backing.backing == HostBacking.RUNTIME_CACHE
+        assert start.split()[0] in worker.backing.reason
+        stats = worker.stats
+        assert stats.host_registration == ("registered" if registered else "off")
+        assert stats.staging == ("none" if registered else "ring")
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, OffloadConfig().ring_chunk_bytes])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_native_staging_ring_on_cuda_is_bitwise_equal(
     variant, chunk_bytes, variants, resident

@@ -72,18 +72,45 @@ def test_resident_loading_reads_every_layout(variant, variants, resident) -> Non
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resident) -> None:
+    """By default the mapping is staged through the native ring (built here)."""
+    started = REGISTRY.get_sample_value(
+        "dlo_staging_starts_total", {"staging": "ring", "reason": "default"}
+    )
     outputs, worker = run_worker(worker_config(variants[variant], dlo=True))
     assert_bitwise(outputs, resident)
     stats = worker.stats
     assert worker.backing.backing == HostBacking.CHECKPOINT_MMAP
     assert stats.host_backing == "checkpoint-mmap"
     assert stats.host_bytes == 0  # no private copy of the blocks
-    assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
+    assert (stats.staging, stats.staging_reason) == ("ring", "default")
+    config = OffloadConfig()
+    assert stats.ring_chunk_bytes == config.ring_chunk_bytes
+    assert stats.staging_bytes == 2 * config.pack_threads * config.ring_chunk_bytes
+    assert stats.ring_chunks > 0
     assert stats.pack_gbps > 0
     assert stats.host_registration == "off"
-    assert stats.staging == "buffers"
+    assert (
+        REGISTRY.get_sample_value(
+            "dlo_staging_starts_total", {"staging": "ring", "reason": "default"}
+        )
+        == (started or 0) + 1
+    )
+    packed = REGISTRY.get_sample_value("dlo_staging_ring_seconds", {"activity": "pack"})
+    assert packed is not None
     if variant == "fused":
         assert "adapters: fused-qkv" in worker.backing.reason
+
+
+def test_block_buffers_when_asked_for_are_bitwise_equal(variants, resident) -> None:
+    outputs, worker = run_worker(
+        worker_config(variants["sharded"], dlo=True, dlo_staging="buffers")
+    )
+    assert_bitwise(outputs, resident)
+    stats = worker.stats
+    assert (stats.staging, stats.staging_reason) == ("buffers", "configured")
+    assert stats.staging_bytes == OffloadConfig().staging_buffers * stats.largest_block_bytes
+    assert stats.ring_chunks == stats.ring_chunk_bytes == 0
+    assert stats.pack_gbps > 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

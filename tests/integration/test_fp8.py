@@ -4,6 +4,8 @@ to one byte per linear weight, and ``generate`` writes the resident FP8 bytes.""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -14,8 +16,21 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from dlo_worker.offload import enable_dlo
-from dlo_worker.pipeline.quantization import Float8Linear, quantize_blocks_fp8
+from dlo_worker.pipeline.quantization import (
+    Float8Linear,
+    quantize_blocks_fp8,
+    quantized_skeleton,
+    read_scales,
+)
+from tests.support.checkpoints import copy_pipeline
 from tests.support.generate import ENV, digest, generate_argv
+from tests.support.runtime_cache import (
+    SEED,
+    attached,
+    cache_warm,
+    garble_tensor_data,
+    run_cached,
+)
 from tests.support.tiny_models import tiny_flux, tiny_wan
 
 CPU = torch.device("cpu")
@@ -101,6 +116,28 @@ def test_a_linear_is_quantized_per_tensor_and_never_overflows() -> None:
     zero = Float8Linear(nn.Linear(4, 4, bias=False).requires_grad_(False).apply(_zero))
     assert zero.weight_scale == 1.0
     assert torch.equal(zero(torch.ones(1, 4)), torch.zeros(1, 4))
+    # The scale is also state (a runtime-cache entry holds it), exactly the same float32.
+    assert fp8.state_dict()["scale"].dtype == torch.float32
+    assert fp8.scale.item() == fp8.weight_scale
+
+
+def test_a_skeleton_gets_the_fp8_structure_and_its_scales_once_bound() -> None:
+    with torch.device("meta"):
+        skeleton = Float8Linear(nn.Linear(64, 32))
+    assert skeleton.weight.is_meta
+    assert skeleton.weight.dtype == torch.float8_e4m3fn
+    assert math.isnan(skeleton.weight_scale)  # a forward now could only give NaN
+    case = _quantized("flux")
+    expected = _forward(case)
+    bound = BUILDERS["flux"](0).model.to("meta")
+    quantized_skeleton(bound)
+    scales = [layer for layer in bound.modules() if isinstance(layer, Float8Linear)]
+    assert scales
+    assert all(math.isnan(layer.weight_scale) for layer in scales)
+    bound.load_state_dict(case.model.state_dict(), assign=True)
+    read_scales(bound)
+    case.model = bound
+    assert torch.equal(_forward(case), expected)
 
 
 def _zero(module: nn.Module) -> None:
@@ -151,3 +188,54 @@ def test_generate_with_fp8_and_dlo_writes_the_fp8_resident_bytes(
         assert 'msg="fp8 weights"' in log
     # FP8 weights are a transform of the checkpoint: DLO packs them, never maps the file.
     assert "host backing: ordinary" in streamed
+
+
+def test_fp8_weights_stream_from_the_runtime_cache_and_a_warm_start_reads_no_checkpoint(
+    mixed_model: Path, tmp_path: Path
+) -> None:
+    """The entry is built from the quantized DiT (FP8 block weights, their scales): DLO
+    stages it through the ring and writes the resident FP8 bytes; the next start binds an
+    FP8 skeleton to it without reading (or quantizing) the checkpoint; bf16 is another entry."""
+    fp8 = ("--quantization", "fp8")
+    resident = subprocess.run(
+        generate_argv(mixed_model, tmp_path / "resident.png", SEED, *fp8),
+        env=ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert resident.returncode == 0, resident.stderr
+    model = copy_pipeline(mixed_model, tmp_path / "model")
+    root = tmp_path / "cache"
+    cold = run_cached(model, tmp_path / "cold.png", root, *fp8)
+    key, result = attached(cold)
+    assert result == "built"
+    assert "host_backing=runtime-cache" in cold
+    assert "staging=ring" in cold
+    manifest = json.loads((root / "entries" / key / "manifest.json").read_text())
+    stored = {
+        dtype
+        for component in manifest["components"].values()
+        for block in component["blocks"]
+        for dtype in block["dtypes"]
+    }
+    assert "float8_e4m3fn" in stored
+    assert digest(tmp_path / "cold.png") == digest(tmp_path / "resident.png")
+
+    garble_tensor_data(model / "transformer" / "diffusion_pytorch_model.safetensors")
+    warm = run_cached(model, tmp_path / "warm.png", root, *fp8)
+    assert attached(warm) == (key, "hit")
+    assert 'msg="fp8 weights" linears=0' in warm  # bound to the entry's FP8 weights
+    assert digest(tmp_path / "warm.png") == digest(tmp_path / "resident.png")
+
+    # Unquantized (the foreign tensor keeps the checkpoint mapping out).
+    bf16 = run_cached(mixed_model, tmp_path / "bf16.png", root)
+    assert attached(bf16)[0] != key
+
+    # A warm Job builds the FP8 entry; the worker's first start is then a hit.
+    warmed = cache_warm(mixed_model, tmp_path / "warmed", *fp8)
+    assert warmed.returncode == 0, warmed.stderr
+    assert json.loads(warmed.stdout)["result"] == "built"
+    hit = run_cached(mixed_model, tmp_path / "hit.png", tmp_path / "warmed", *fp8)
+    assert attached(hit)[1] == "hit"
+    assert digest(tmp_path / "hit.png") == digest(tmp_path / "resident.png")

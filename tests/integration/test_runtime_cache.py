@@ -8,7 +8,6 @@ import fcntl
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from tests.support.runtime_cache import (
     cache_cli,
     cache_warm,
     cached_argv,
+    garble_tensor_data,
     generate_cached,
     hold_lock,
     in_private_mount,
@@ -61,6 +61,8 @@ def test_four_processes_on_one_root_build_once_and_all_write_the_resident_bytes(
         assert digest(tmp_path / f"{index}.png") == resident_digest
     for log in logs:
         assert "host_backing=runtime-cache" in log
+        # The entry's blocks (one packed tensor per dtype) stream through the native ring.
+        assert "staging=ring staging_reason=default" in log
     (entry,) = (root / "entries").iterdir()
     manifest = json.loads((entry / "manifest.json").read_text())
     assert manifest["key"] == entry.name
@@ -334,17 +336,6 @@ def test_cache_commands_warm_list_verify_and_remove(mixed_model: Path, tmp_path:
     assert list((root / "entries").iterdir()) == []
 
 
-def _garble_tensor_data(checkpoint: Path) -> None:
-    """Overwrite every tensor byte, keeping the header, the size and the mtime: a start
-    that read any tensor of this file would compute another image."""
-    status = checkpoint.stat()
-    data = bytearray(checkpoint.read_bytes())
-    (header_length,) = struct.unpack("<Q", data[:8])
-    data[8 + header_length :] = bytes(len(data) - 8 - header_length)
-    checkpoint.write_bytes(bytes(data))
-    os.utime(checkpoint, ns=(status.st_atime_ns, status.st_mtime_ns))
-
-
 def test_a_warm_start_skips_loading_and_reads_no_checkpoint_tensor(
     mixed_model: Path, resident_digest: str, tmp_path: Path
 ) -> None:
@@ -353,7 +344,7 @@ def test_a_warm_start_skips_loading_and_reads_no_checkpoint_tensor(
     cold = run_cached(model, tmp_path / "cold.png", root)
     key, result = attached(cold)
     assert result == "built"
-    _garble_tensor_data(model / "transformer" / "diffusion_pytorch_model.safetensors")
+    garble_tensor_data(model / "transformer" / "diffusion_pytorch_model.safetensors")
     warm = run_cached(model, tmp_path / "warm.png", root)
     assert attached(warm) == (key, "hit")
     assert digest(tmp_path / "warm.png") == resident_digest

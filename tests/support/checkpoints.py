@@ -158,7 +158,7 @@ def run_staging_ring(
     backend = DistributedLayerwiseOffloadBackend(
         OffloadConfig(
             use_allgather=False,
-            staging_ring=True,
+            staging="ring",
             staging_ring_chunk_bytes=chunk_bytes,
             pack_threads=3,
         ),

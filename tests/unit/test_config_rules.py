@@ -18,6 +18,7 @@ from dlo_worker.config import (
     dlo_sharding_group,
     load_settings,
 )
+from dlo_worker.config import effective as effective_module
 from tests.support.configs import DLO, NO_ALLGATHER, config, rejected
 
 
@@ -118,13 +119,20 @@ def test_runtime_cache_requires_no_allgather() -> None:
     assert "--dlo-no-use-allgather" in message
 
 
-@pytest.mark.parametrize("method", ["fp8", "fp8-blockwise", "int8", "nf4"])
-def test_runtime_cache_rejects_every_quantization(method: str) -> None:
+@pytest.mark.parametrize("method", ["fp8-blockwise", "int8", "nf4"])
+def test_runtime_cache_rejects_quantization_other_than_per_tensor_fp8(method: str) -> None:
     message = rejected(
         offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True}, model={"quantization": method}
     )
     assert "--dlo-enable-runtime-cache" in message
     assert f"--quantization {method}" in message
+
+
+def test_fp8_weights_may_live_in_the_runtime_cache_but_never_in_a_checkpoint_mapping() -> None:
+    effective = config(
+        offload={**NO_ALLGATHER, "dlo_enable_runtime_cache": True}, model={"quantization": "fp8"}
+    ).effective()
+    assert effective.host_backing_candidates == [HostBacking.RUNTIME_CACHE, HostBacking.ORDINARY]
 
 
 def test_runtime_cache_rejects_hsdp() -> None:
@@ -375,3 +383,18 @@ def test_the_loader_sees_the_runtime_cache_only_where_streamed_dits_may_use_it(
 def test_loading_needs_a_model_directory() -> None:
     with pytest.raises(ValueError, match="--model is required"):
         load_settings(config(offload=DLO))
+
+
+def test_the_staging_ring_is_the_default_where_built_and_buffers_elsewhere(monkeypatch) -> None:
+    assert config(offload=DLO).effective().dlo_staging == "ring"
+    assert config().effective().dlo_staging is None
+    monkeypatch.setattr(effective_module, "staging_ring_library", lambda: None)
+    assert config(offload=DLO).effective().dlo_staging == "buffers"
+    # Asked for where it was not built: refused when the worker starts, not here (the
+    # operator validates specs without the worker's native library).
+    assert config(offload={**DLO, "dlo_staging": "ring"}).effective().dlo_staging == "ring"
+
+
+def test_a_ring_chunk_size_with_block_buffers_is_refused() -> None:
+    message = rejected(offload={**DLO, "dlo_staging": "buffers", "dlo_staging_chunk_mib": 4})
+    assert "--dlo-staging-chunk-mib sizes the staging ring" in message

@@ -12,6 +12,7 @@ from torch import nn
 
 from dlo_worker.offload import OffloadConfig
 from dlo_worker.offload.block import MappedPiece, StreamedBlock
+from dlo_worker.offload.config import RING_CHUNK_BOUNDS, last_level_cache_bytes, ring_chunk_bytes
 from dlo_worker.offload.feeds import ring as ring_feed
 from dlo_worker.offload.feeds.ring import StagingRing, StagingRingUnavailableError
 from dlo_worker.offload.layout import layout_of, slot_capacity
@@ -66,7 +67,7 @@ def assert_holds(buffers: dict[torch.dtype, torch.Tensor], block: StreamedBlock)
 
 @pytest.fixture
 def ring():
-    ring = StagingRing(CPU, None, TransferCounters(), lanes=3, chunk_bytes=4096)
+    ring = StagingRing(CPU, None, TransferCounters(), lanes=3, chunk_bytes=4096, chunks=6)
     yield ring
     ring.close()
 
@@ -101,7 +102,7 @@ def test_more_fills_than_chunks_and_queue_entries_stay_in_order(ring: StagingRin
 
 
 def test_close_lands_fills_nobody_waited_for() -> None:
-    ring = StagingRing(CPU, None, TransferCounters(), lanes=2, chunk_bytes=4096)
+    ring = StagingRing(CPU, None, TransferCounters(), lanes=2, chunk_bytes=4096, chunks=4)
     blocks = [make_block(index) for index in range(2)]
     slots = slot_buffers(blocks)
     for index, block in enumerate(blocks):
@@ -113,14 +114,51 @@ def test_close_lands_fills_nobody_waited_for() -> None:
 
 
 def test_a_ring_that_was_not_built_is_a_clear_error(monkeypatch) -> None:
-    """Installing without a C compiler skips the optional extension (simulated by a module
-    name nothing provides)."""
-    monkeypatch.setattr(ring_feed, "_LIBRARY_MODULE", "dlo_worker.offload._not_built")
+    """Installing without a C compiler skips the optional extension (simulated here; the
+    integration suite runs a real installation without it)."""
+    monkeypatch.setattr(ring_feed, "staging_ring_library", lambda: None)
     with pytest.raises(StagingRingUnavailableError, match="C compiler"):
-        StagingRing(CPU, None, TransferCounters(), lanes=1, chunk_bytes=4096)
+        StagingRing(CPU, None, TransferCounters(), lanes=1, chunk_bytes=4096, chunks=2)
+    with pytest.raises(StagingRingUnavailableError, match=r"--dlo-staging ring: .*install gcc"):
+        ring_feed.check_built()
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 4095, 3 * 2**20 + 1])
 def test_a_chunk_size_that_is_not_whole_pages_is_refused(chunk_bytes: int) -> None:
     with pytest.raises(ValueError, match="staging_ring_chunk_bytes must be a positive multiple"):
         OffloadConfig(staging_ring_chunk_bytes=chunk_bytes)
+
+
+def test_an_unknown_staging_is_refused() -> None:
+    with pytest.raises(ValueError, match="staging must be 'auto', 'ring' or 'buffers'"):
+        OffloadConfig(staging="chunks")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("cache_mib", "threads", "chunk_mib"),
+    [
+        # The 16-CPU H200 host (300 MiB L3): 8 packers, 16 chunks in 75 MiB.
+        (300, 8, 4),
+        (300, 4, 8),
+        (105, 8, 1),
+        (105, 2, 4),
+        (32, 1, 4),
+        # Never below 1 MiB, never above 8 MiB.
+        (8, 8, 1),
+        (4096, 1, 8),
+        # Unknown cache.
+        (None, 8, 4),
+    ],
+)
+def test_the_chunk_size_follows_the_last_level_cache(cache_mib, threads, chunk_mib) -> None:
+    cache = cache_mib * 2**20 if cache_mib is not None else None
+    chunk = ring_chunk_bytes(cache, threads, 2)
+    assert chunk == chunk_mib * 2**20
+    if cache is not None and chunk > RING_CHUNK_BOUNDS[0]:
+        assert 2 * threads * chunk <= cache // 4
+
+
+def test_the_configured_chunk_size_wins_over_the_machines() -> None:
+    assert OffloadConfig(staging_ring_chunk_bytes=3 * 2**20).ring_chunk_bytes == 3 * 2**20
+    machine = OffloadConfig(pack_threads=2).ring_chunk_bytes
+    assert machine == ring_chunk_bytes(last_level_cache_bytes(), 2, 2)

@@ -132,6 +132,21 @@ def test_shard_buffers_reach_the_worker_and_are_refused_without_allgather() -> N
         validate(spec(offload={"useAllGather": False, "allGatherShardBuffers": 6}))
 
 
+def test_staging_reaches_the_worker_and_a_chunk_size_for_buffers_is_refused() -> None:
+    staging = {"mode": "ring", "chunkMiB": 8, "packThreads": 6}
+    config = worker_config(spec(offload={"useAllGather": False, "staging": staging}))
+    assert config.offload.dlo_staging == "ring"
+    assert config.offload.dlo_staging_chunk_mib == 8
+    assert config.offload.dlo_pack_threads == 6
+    assert worker_config(spec()).offload.dlo_staging == "auto"
+    with pytest.raises(
+        InvalidSpecError,
+        match=r"offload\.staging\.chunkMiB sizes the staging ring's chunks, but "
+        r"offload\.staging\.mode buffers",
+    ):
+        validate(spec(offload={"staging": {"mode": "buffers", "chunkMiB": 8}}))
+
+
 def test_the_cache_size_budget_and_skip_load_reach_the_worker() -> None:
     cache = {"enabled": True, "sizeBudgetGiB": 200, "skipLoad": "required"}
     config = worker_config(spec(offload={"useAllGather": False, "runtimeCache": cache}))

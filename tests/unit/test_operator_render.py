@@ -121,6 +121,12 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         spec(model={"imagePath": "/opt/model"}, dtype="bfloat16"),
         spec(offload={"useAllGather": False, "gpuMemoryBudgetGiB": 40}),
         spec(offload={"allGatherShardBuffers": 2}),
+        spec(
+            offload={
+                "useAllGather": False,
+                "staging": {"mode": "ring", "chunkMiB": 4, "packThreads": 4},
+            }
+        ),
         spec(accelerator="none", gpusPerNode=2),
         spec(serve={"maxQueuedRequests": 8, "defaultSteps": 12, "defaultWidth": 512}),
     ):

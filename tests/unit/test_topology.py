@@ -87,3 +87,30 @@ def test_gib_options_reach_the_backend_as_bytes() -> None:
     assert backend.gpu_memory_budget_bytes == 3 * 2**29
     assert backend.pin_limit_bytes == 2 * 2**30
     assert backend.use_allgather is False
+
+
+def test_staging_options_reach_the_backend_and_unset_ones_keep_its_machine_defaults() -> None:
+    dlo = {"enable_distributed_layerwise_offload": True, "dlo_use_allgather": False}
+    chosen = offload_config_for(
+        build_config(
+            {
+                "offload": {
+                    **dlo,
+                    "dlo_staging": "ring",
+                    "dlo_staging_chunk_mib": 2,
+                    "dlo_pack_threads": 3,
+                }
+            }
+        ),
+        {},
+    )
+    assert (chosen.staging, chosen.staging_ring_chunk_bytes, chosen.pack_threads) == (
+        "ring",
+        2 * 2**20,
+        3,
+    )
+    assert chosen.ring_chunk_bytes == 2 * 2**20
+    default = offload_config_for(build_config({"offload": dlo}), {})
+    assert default.staging == "auto"
+    assert default.staging_ring_chunk_bytes is None
+    assert default.pack_threads == OffloadConfig().pack_threads

@@ -79,6 +79,24 @@ def test_the_operator_image_starts_its_entrypoint(container: str) -> None:
 
 
 @pytest.mark.parametrize("container", ["worker"], indirect=True)
+def test_the_worker_image_carries_the_native_staging_ring_and_no_compiler(container: str) -> None:
+    """Built in the Dockerfile's build stage; the runtime stage holds only the library."""
+    locate = "from dlo_worker.native import staging_ring_library; print(staging_ring_library())"
+    library = run_in(container, "python3", "-c", locate).strip()
+    assert library.startswith("/usr/")
+    assert "_staging_ring" in library
+    assert library.endswith(".so")
+    load = "from dlo_worker.offload.feeds.ring import load_library; load_library(); print('ok')"
+    assert run_in(container, "python3", "-c", load).strip() == "ok"
+    effective = json.loads(
+        run_in(container, "dlo-worker", "config", "--enable-distributed-layerwise-offload")
+    )["effective"]
+    assert effective["dlo_staging"] == "ring"
+    compilers = "import shutil; print([c for c in ('gcc', 'cc', 'clang') if shutil.which(c)])"
+    assert run_in(container, "python3", "-c", compilers).strip() == "[]"
+
+
+@pytest.mark.parametrize("container", ["worker"], indirect=True)
 def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Path) -> None:
     """The image's torch and diffusers produce the same PNG as the host's for the demo."""
     tmp_path.chmod(0o777)  # the image's user writes here

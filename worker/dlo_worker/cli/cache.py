@@ -16,6 +16,7 @@ def warm_runtime_cache(config: WorkerConfig) -> dict:
     report what the runtime cache did (``result``: built, joined, fallback, not-needed)."""
     from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
     from dlo_worker.pipeline import lora
+    from dlo_worker.process.worker import weight_edit
 
     started = time.perf_counter()
     # The entry's identity includes the dtype: resolve it for the device that will serve
@@ -31,8 +32,9 @@ def warm_runtime_cache(config: WorkerConfig) -> dict:
         load_settings(config),
         dtype=dtype,
         device=torch.device("cpu"),
-        # The entry holds the weights the worker will stream: --fuse-lora adapters fused.
-        edit=lora.fusion(config.model.fused_lora_adapters),
+        # The entry holds the weights the worker will stream: --fuse-lora adapters fused,
+        # or FP8.
+        edit=weight_edit(config),
     )
     loader.load()
     host_weights = loader.take_host_weights()

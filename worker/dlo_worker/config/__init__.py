@@ -50,6 +50,7 @@ from dlo_worker.config.values import (
     Quantization,
     ShardingGroup,
     SkipLoad,
+    Staging,
     TransferMode,
 )
 
@@ -71,6 +72,7 @@ __all__ = [
     "RuntimeCacheSettings",
     "ShardingGroup",
     "SkipLoad",
+    "Staging",
     "TransferMode",
     "WorkerConfig",
     "build_config",

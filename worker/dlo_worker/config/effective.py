@@ -1,5 +1,6 @@
 """What the worker will do, derived purely from a valid configuration (no I/O but the
-environment variable that places the default cache root)."""
+environment variable that places the default cache root, and whether this installation
+built the native staging ring)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from dlo_worker.config.values import (
     Quantization,
     ShardingGroup,
     SkipLoad,
+    Staging,
     TransferMode,
 )
+from dlo_worker.native import staging_ring_library
 
 if TYPE_CHECKING:
     from dlo_worker.config.schema import ParallelOptions, WorkerConfig
@@ -34,6 +37,9 @@ class EffectiveConfig(Options):
     dlo_resident_layers: int
     host_backing_candidates: list[HostBacking]
     """Host backings the loader may choose, most preferred first."""
+    dlo_staging: Staging | None
+    """How mapped blocks that are not registered are packed (``ring`` or ``buffers``,
+    ``auto`` resolved for this installation); ``None`` without DLO."""
     world_size: int
     compile: CompileMode | None
     """The mode each DiT's repeated blocks are compiled with (``None``: eager)."""
@@ -82,6 +88,13 @@ def _host_backing_candidates(config: WorkerConfig) -> list[HostBacking]:
     return candidates
 
 
+def resolve_staging(staging: Staging) -> Staging:
+    """``auto`` becomes the ring where this installation built it, else block buffers."""
+    if staging != Staging.AUTO:
+        return staging
+    return Staging.RING if staging_ring_library() is not None else Staging.BUFFERS
+
+
 def resolve(config: WorkerConfig) -> EffectiveConfig:
     """Derive the effective offload decisions from a validated configuration (pure)."""
     offload = config.offload
@@ -111,6 +124,7 @@ def resolve(config: WorkerConfig) -> EffectiveConfig:
         dlo_sharding_size=size,
         dlo_resident_layers=offload.dlo_resident_layers if policy == OffloadPolicy.DLO else 0,
         host_backing_candidates=_host_backing_candidates(config),
+        dlo_staging=resolve_staging(offload.dlo_staging) if policy == OffloadPolicy.DLO else None,
         world_size=config.parallel.world_size,
         compile=config.model.compile_mode if config.model.compile else None,
         compile_cache_dir=config.model.compile_cache_dir,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from dlo_worker.config.effective import dlo_sharding_group
 from dlo_worker.config.flags import NEGATIVE_FLAGS, flag_for
-from dlo_worker.config.values import CompileMode, OffloadPolicy, Quantization, SkipLoad
+from dlo_worker.config.values import CompileMode, OffloadPolicy, Quantization, SkipLoad, Staging
 
 if TYPE_CHECKING:
     from dlo_worker.config.schema import OffloadOptions, ParallelOptions, WorkerConfig
@@ -40,17 +40,22 @@ def combination_errors(config: WorkerConfig) -> list[str]:
             "slots); drop it, or use --dlo-use-allgather with --data-parallel-size or "
             "--sequence-parallel-size > 1"
         )
+    if offload.dlo_staging == Staging.BUFFERS and offload.dlo_staging_chunk_mib is not None:
+        errors.append(
+            "--dlo-staging-chunk-mib sizes the staging ring's chunks, but --dlo-staging buffers "
+            "packs block-sized buffers; drop one of them"
+        )
     if offload.dlo_resident_layers > 0 and offload.dlo_gpu_memory_budget_gib is not None:
         errors.append(
             "--dlo-resident-layers and --dlo-gpu-memory-budget-gib both choose the resident "
             "blocks; set one of them"
         )
     if offload.dlo_enable_runtime_cache:
-        if quantization != Quantization.NONE:
+        if quantization not in (Quantization.NONE, Quantization.FP8):
             errors.append(
                 f"--dlo-enable-runtime-cache rejects --quantization {quantization}: cache "
-                "entries hold unquantized final tensors; use --quantization none or drop "
-                "the runtime cache"
+                "entries hold plain tensors (bf16, or per-tensor FP8 with --quantization "
+                "fp8); use --quantization fp8 or none, or drop the runtime cache"
             )
         if parallel.use_hsdp:
             errors.append(

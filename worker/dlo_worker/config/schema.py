@@ -20,6 +20,7 @@ from dlo_worker.config.values import (
     Options,
     Quantization,
     SkipLoad,
+    Staging,
     parse_lora,
 )
 from dlo_worker.errors import UserFixableError
@@ -268,6 +269,24 @@ class OffloadOptions(Options):
         description="Host-registration budget (GiB) per worker for direct H2D from the "
         "mapped weights (a runtime-cache entry, or a checkpoint that matches the model "
         "without adapters), rank-local DLO on CUDA; 0 keeps bounded staging.",
+    )
+    dlo_staging: Staging = Field(
+        default=Staging.AUTO,
+        description="How rank-local DLO packs mapped DiT blocks that are not registered (a "
+        "checkpoint mapping, a runtime-cache entry) for the copy engine: ring (the native "
+        "ring of cache-sized chunks), buffers (block-sized pinned buffers), or auto: the "
+        "ring where this installation built it, else buffers with a warning.",
+    )
+    dlo_staging_chunk_mib: Annotated[int, Field(ge=1, le=256)] | None = Field(
+        default=None,
+        description="Chunk size (MiB) of the staging ring; default: from the CPU's last-level "
+        "cache (the ring, two chunks per pack thread, takes at most a quarter of it; 1-8 MiB).",
+    )
+    dlo_pack_threads: Annotated[int, Field(ge=1, le=64)] | None = Field(
+        default=None,
+        description="Host threads that pack mapped DiT blocks (the staging ring's packers, "
+        "block-buffer packs, AllGather shards read from a mapping); default: this process's "
+        "share of the CPUs it may run on (CPUs / ranks on the node), at most 8.",
     )
 
     dlo_block_paths: tuple[str, ...] | None = Field(

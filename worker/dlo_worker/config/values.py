@@ -30,6 +30,18 @@ class SkipLoad(StrEnum):
     """A miss is a start-up error (the node was expected to be warm)."""
 
 
+class Staging(StrEnum):
+    """How rank-local DLO packs mapped DiT blocks that are not registered with the driver
+    (a checkpoint mapping or a runtime-cache entry) for the copy engine."""
+
+    AUTO = "auto"
+    """The ring where this installation built it, else buffers (with one warning)."""
+    RING = "ring"
+    """The native ring of cache-sized chunks, each copied as soon as it is packed."""
+    BUFFERS = "buffers"
+    """Block-sized pinned buffers, each packed whole and then copied."""
+
+
 class Quantization(StrEnum):
     """Online (load-time) weight quantization methods.
 

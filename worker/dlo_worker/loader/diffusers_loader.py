@@ -84,6 +84,9 @@ class HostWeightEdit:
     apply: Callable[[DiffusionPipeline, frozenset[str]], None]
     """Edits the pipeline but the given DiT components (bound to an entry that was built
     with the edit: a skip-load hit)."""
+    skeleton: Callable[[nn.Module], None] | None = None
+    """Gives a DiT's meta skeleton the structure ``apply`` gives the loaded DiT (FP8
+    linears), so a skip-load hit binds the entry built from it; ``None``: unchanged."""
 
 
 def runtime_tensor_specs(model: nn.Module) -> dict[str, TensorSpec]:
@@ -269,6 +272,9 @@ class DiffusersPipelineLoader:
             skeleton = diffusers_skeleton(model_class, component_dir, self.dtype)
             resolution = resolve_sources(runtime_tensor_specs(skeleton), checkpoint)
             adapters[component] = resolution.adapters if resolution.complete else ()
+            if self.edit is not None and self.edit.skeleton is not None:
+                # After resolving against the checkpoint, which holds the unedited tensors.
+                self.edit.skeleton(skeleton)
             components[component] = component_source(
                 files=checkpoint.files,
                 config_json=(component_dir / "config.json").read_text(),

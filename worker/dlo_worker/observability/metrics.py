@@ -6,6 +6,7 @@ and tests can read them from the default registry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import PLATFORM_COLLECTOR, REGISTRY, Counter, Gauge, Histogram, Info
@@ -73,6 +74,23 @@ HOST_REGISTRATIONS = Counter(
     "to staging (budget, unsupported, cpu, adapter, not-mapped, failed, timeout, not-pinned).",
     ["result"],
 )
+STAGING_STARTS = Counter(
+    "dlo_staging_starts",
+    "Starts whose mapped DiT blocks are packed for the copy engine (not registered), by "
+    "staging (ring: the native chunk ring, buffers: block-sized buffers) and reason "
+    "(default, configured: --dlo-staging, not-built: the native ring is missing from this "
+    "installation, so block buffers).",
+    ["staging", "reason"],
+)
+STAGING_RING_SECONDS = Gauge(
+    "dlo_staging_ring_seconds",
+    "Seconds so far of the native staging ring by activity, summed over its packers: pack, "
+    "idle (nothing submitted), ring_full (a chunk to pack, its ring slot still being copied "
+    "out: the copy engine is the bottleneck); feeder_wait (the copy feeder waiting for a "
+    "pack: the packers are the bottleneck); compute_wait (the model's thread waiting for a "
+    "block's last chunk to be enqueued).",
+    ["activity"],
+)
 NONFINITE_OUTPUTS = Counter(
     "dlo_nonfinite_outputs",
     "Generations whose decoded image held NaN or infinity (refused, not written).",
@@ -117,6 +135,17 @@ class Compilation(Protocol):
     def cache_hits(self) -> int: ...
     @property
     def cache_misses(self) -> int: ...
+
+
+def watch_staging_ring(read: Callable[[], dict[str, float]]) -> None:
+    """Point the staging ring gauge at ``read`` (activity -> seconds; empty without a ring):
+    each scrape reads the ring's counters, without synchronizing the device."""
+
+    def reader(activity: str) -> Callable[[], float]:
+        return lambda: read().get(activity, 0.0)
+
+    for activity in ("pack", "idle", "ring_full", "feeder_wait", "compute_wait"):
+        STAGING_RING_SECONDS.labels(activity=activity).set_function(reader(activity))
 
 
 def watch_compilation(compiled: Compilation) -> None:

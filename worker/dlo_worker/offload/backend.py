@@ -29,9 +29,9 @@ The host side follows the loader's choice (docs/host-storage.md):
   the driver and each load copies them directly (:mod:`~dlo_worker.offload.feeds.direct`);
   otherwise, or if registration is refused (budget, platform, a deferred adapter, a
   failed call: all or nothing, the reason is logged and reported in ``stats``), they
-  are packed through bounded pinned staging: block-sized buffers
-  (:mod:`~dlo_worker.offload.feeds.staging`) or, with ``staging_ring``, a cache-sized ring of
-  chunks fed by native threads (:mod:`~dlo_worker.offload.feeds.ring`).
+  are packed through bounded pinned staging: a cache-sized ring of chunks fed by native
+  threads (:mod:`~dlo_worker.offload.feeds.ring`), the default where it was built, or
+  block-sized buffers (:mod:`~dlo_worker.offload.feeds.staging`).
 
 With host weights the DiT was never materialized, so failing to consume them is a
 hard error (:class:`HostWeightsError`), never a fallback.
@@ -56,7 +56,7 @@ from dlo_worker.offload.errors import OffloadSetupError, UnsupportedHostBackingE
 from dlo_worker.offload.feeds.arena import ARENA, HostArena
 from dlo_worker.offload.feeds.direct import DIRECT
 from dlo_worker.offload.feeds.registration import RegisteredRanges
-from dlo_worker.offload.feeds.ring import StagingRing
+from dlo_worker.offload.feeds.ring import RingCounters, StagingRing
 from dlo_worker.offload.feeds.staging import HostStaging, Packer
 from dlo_worker.offload.hooks import BlockHooks
 from dlo_worker.offload.host_weights import HostWeights, HostWeightsError
@@ -132,6 +132,7 @@ class DistributedLayerwiseOffloadBackend:
         self._counters = TransferCounters()
         self._resident_blocks = 0
         self._staging_kind = "none"
+        self._staging_reason = "none"
         self._registration = "none"
 
     @property
@@ -174,6 +175,7 @@ class DistributedLayerwiseOffloadBackend:
         self._counters = TransferCounters()
         self._registration = "none"
         self._staging_kind = "none"
+        self._staging_reason = "none"
         try:
             enabled = self._enable(model_or_pipeline, plan, setup)
         except BaseException:
@@ -195,6 +197,12 @@ class DistributedLayerwiseOffloadBackend:
                     else 0,
                     "host_registration": self._registration,
                     "staging": self._staging_kind,
+                    "staging_reason": self._staging_reason,
+                    **(
+                        {"ring_chunk_mib": enabled.staging.chunk_bytes / 2**20}
+                        if isinstance(enabled.staging, StagingRing)
+                        else {}
+                    ),
                     "pack_threads": enabled.packer.threads,
                     "slot_gib": round(enabled.slots.device_bytes / 2**30, 3),
                     "setup_s": round(time.perf_counter() - started, 3),
@@ -254,7 +262,8 @@ class DistributedLayerwiseOffloadBackend:
             releases.callback(slots.free)
             staging = None
             if mapped and registered is None:
-                staging, self._staging_kind = setup.stage(mapped, slots, packer, self._counters)
+                staging, self._staging_reason = setup.stage(mapped, slots, packer, self._counters)
+                self._staging_kind = "ring" if isinstance(staging, StagingRing) else "buffers"
                 # Before the slots go: a chunk ring still enqueues the fills it was handed.
                 releases.callback(staging.close)
             # Everything enqueued on the device finishes before anything above is freed.
@@ -400,6 +409,7 @@ class DistributedLayerwiseOffloadBackend:
         blocks = enabled.blocks if enabled is not None else []
         staging = enabled.staging if enabled is not None else None
         registered = enabled.registered if enabled is not None else None
+        ring = self.ring_counters()
         return OffloadStats(
             transfer_mode="allgather" if self._shards > 1 else "rank-local",
             host_backing=self._host_backing,
@@ -421,6 +431,12 @@ class DistributedLayerwiseOffloadBackend:
             staging_bytes=staging.nbytes if staging is not None else 0,
             host_registration=self._registration,
             staging=self._staging_kind,
+            staging_reason=self._staging_reason,
+            ring_chunk_bytes=staging.chunk_bytes if isinstance(staging, StagingRing) else 0,
+            ring_idle_seconds=ring.idle_seconds if ring is not None else 0.0,
+            ring_full_wait_seconds=ring.ring_full_wait_seconds if ring is not None else 0.0,
+            ring_feeder_wait_seconds=ring.feeder_wait_seconds if ring is not None else 0.0,
+            ring_chunks=ring.chunks if ring is not None else 0,
             registered_bytes=registered.nbytes if registered is not None else 0,
             pack_gbps=self._pack_gbps(staging),
             pack_wait_seconds=counters.pack_wait_seconds,
@@ -430,6 +446,17 @@ class DistributedLayerwiseOffloadBackend:
             compiled_blocks=enabled.compilation.compiled_blocks if enabled is not None else 0,
             recompiles=enabled.compilation.recompiles if enabled is not None else 0,
         )
+
+    @property
+    def pack_wait_seconds(self) -> float:
+        """Host time the model's thread waited for staging so far (no device sync)."""
+        return self._counters.pack_wait_seconds
+
+    def ring_counters(self) -> RingCounters | None:
+        """The staging ring's counters so far, read without synchronizing the device (a
+        metrics scrape may call it mid-request); ``None`` without a ring."""
+        staging = self._enabled.staging if self._enabled is not None else None
+        return staging.counters() if isinstance(staging, StagingRing) else None
 
     def _pack_gbps(self, staging: HostStaging | StagingRing | None) -> float:
         """Bytes packed per second of packing: wall time of the buffers' packs, or the

@@ -10,10 +10,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 import torch.distributed as dist
 
 MAX_PACK_THREADS = 8
+RING_CACHE_SHARE = 4
+"""The staging ring takes at most 1/RING_CACHE_SHARE of the CPU's last-level cache: the
+packers' reads of the mapping and the other threads' data share it with the ring."""
+RING_CHUNK_BOUNDS = (2**20, 8 * 2**20)
+"""Below 1 MiB a chunk's copy costs more to order than to run; above 8 MiB the ring no
+longer fits the cache of the machines measured (docs/benchmarks.md)."""
+
+StagingChoice = Literal["auto", "ring", "buffers"]
 
 
 def default_pack_threads() -> int:
@@ -25,6 +35,43 @@ def default_pack_threads() -> int:
     cpus = len(os.sched_getaffinity(0))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(MAX_PACK_THREADS, cpus // max(ranks_here, 1)))
+
+
+def ring_chunk_bytes(
+    last_level_cache_bytes: int | None, pack_threads: int, chunks_per_thread: int
+) -> int:
+    """The staging ring's chunk size for a machine: the largest power of two whose ring
+    (``chunks_per_thread`` per pack thread) takes at most a quarter of the last-level cache, within
+    :data:`RING_CHUNK_BOUNDS`; 4 MiB when the cache size is unknown."""
+    low, high = RING_CHUNK_BOUNDS
+    if not last_level_cache_bytes:
+        return 4 * 2**20
+    share = last_level_cache_bytes // (RING_CACHE_SHARE * chunks_per_thread * pack_threads)
+    chunk = low
+    while chunk * 2 <= min(share, high):
+        chunk *= 2
+    return chunk
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the last-level cache of the first CPU this process may run on (sysfs), or
+    ``None`` where the kernel does not say."""
+    cpu = min(os.sched_getaffinity(0))
+    caches = Path(f"/sys/devices/system/cpu/cpu{cpu}/cache")
+    best: tuple[int, int] | None = None
+    for index in caches.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if kind == "Instruction" or not size[:-1].isdigit() or size[-1] not in units:
+            continue
+        found = (level, int(size[:-1]) * units[size[-1]])
+        best = max(best, found) if best is not None else found
+    return best[1] if best is not None else None
 
 
 @dataclass(frozen=True)
@@ -52,16 +99,21 @@ class OffloadConfig:
     """Page-locked staging buffers for checkpoint-backed blocks that are not registered
     (each the largest such block): packs run up to this many blocks ahead of the copies,
     so a pack that runs slow for one block does not leave the copy engine idle."""
-    staging_ring: bool = False
-    """Stage unregistered mapped blocks through the native cache-sized chunk ring
-    (:mod:`dlo_worker.offload.feeds.ring`; an error where it was not built) instead of
-    block-sized staging buffers. Off by default until measured on a GPU host."""
-    staging_ring_chunk_bytes: int = 8 * 2**20
-    """Bytes per chunk of the staging ring (two chunks per pack thread): small enough
-    that the ring stays in the CPU's last-level cache, large enough that a copy's fixed
-    cost is under 1% of it."""
+    staging: StagingChoice = "auto"
+    """How unregistered mapped blocks are packed: ``ring``, the native cache-sized chunk
+    ring (:mod:`dlo_worker.offload.feeds.ring`; an error where it was not built),
+    ``buffers``, block-sized staging buffers, or ``auto``: the ring where it was built,
+    else buffers with one warning saying why."""
     pack_threads: int = field(default_factory=default_pack_threads)
     """Host threads that pack checkpoint-backed blocks into staging (and AllGather shards)."""
+    staging_ring_chunks_per_thread: int = 2
+    """Chunks of the staging ring per pack thread: packers run this many chunks per
+    thread ahead of the copy engine, so one slow chunk (the feeder copies in order) does
+    not stall the others at once."""
+    staging_ring_chunk_bytes: int | None = None
+    """Bytes per chunk of the staging ring (two chunks per pack thread); ``None`` chooses
+    from the machine (:func:`ring_chunk_bytes`): small enough that the ring stays in the
+    CPU's last-level cache, large enough that ordering a chunk's copy costs little."""
     pin_limit_bytes: int = 0
     """Host bytes this process may pin (register with the driver) so rank-local mapped
     blocks on CUDA are copied directly from their mapping (0: always stage)."""
@@ -81,11 +133,18 @@ class OffloadConfig:
             raise ValueError(f"pin_limit_bytes must be >= 0, got {self.pin_limit_bytes}")
         if self.staging_buffers < 2:
             raise ValueError(f"staging_buffers must be >= 2, got {self.staging_buffers}")
-        if self.staging_ring_chunk_bytes < 4096 or self.staging_ring_chunk_bytes % 4096:
+        chunk = self.staging_ring_chunk_bytes
+        if chunk is not None and (chunk < 4096 or chunk % 4096):
             raise ValueError(
-                "staging_ring_chunk_bytes must be a positive multiple of 4096, got "
-                f"{self.staging_ring_chunk_bytes}"
+                f"staging_ring_chunk_bytes must be a positive multiple of 4096, got {chunk}"
             )
+        if self.staging_ring_chunks_per_thread < 1:
+            raise ValueError(
+                "staging_ring_chunks_per_thread must be >= 1, got "
+                f"{self.staging_ring_chunks_per_thread}"
+            )
+        if self.staging not in ("auto", "ring", "buffers"):
+            raise ValueError(f"staging must be 'auto', 'ring' or 'buffers', got {self.staging!r}")
         if self.pack_threads < 1:
             raise ValueError(f"pack_threads must be >= 1, got {self.pack_threads}")
         resident = self.resident_layers or self.gpu_memory_budget_bytes is not None
@@ -96,6 +155,15 @@ class OffloadConfig:
             )
         if self.resident_layers and self.gpu_memory_budget_bytes is not None:
             raise ValueError("set resident_layers or gpu_memory_budget_bytes, not both")
+
+    @property
+    def ring_chunk_bytes(self) -> int:
+        """The staging ring's chunk size: the configured one, else the machine's."""
+        if self.staging_ring_chunk_bytes is not None:
+            return self.staging_ring_chunk_bytes
+        return ring_chunk_bytes(
+            last_level_cache_bytes(), self.pack_threads, self.staging_ring_chunks_per_thread
+        )
 
     def _group_size(self) -> int:
         return dist.get_world_size(self.process_group) if self.process_group is not None else 1

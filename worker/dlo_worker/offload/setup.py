@@ -15,13 +15,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dlo_worker.native import NOT_BUILT, staging_ring_library
 from dlo_worker.offload import adapters
 from dlo_worker.offload.block import MappedPiece, StreamedBlock, StreamedParameter, coalesce
 from dlo_worker.offload.config import OffloadConfig
 from dlo_worker.offload.errors import OffloadSetupError
 from dlo_worker.offload.feeds.arena import HostArena
 from dlo_worker.offload.feeds.registration import RegisteredRanges, RegistrationRefusedError
-from dlo_worker.offload.feeds.ring import StagingRing
+from dlo_worker.offload.feeds.ring import StagingRing, check_built
 from dlo_worker.offload.feeds.staging import HostStaging, Packer, wait_all
 from dlo_worker.offload.host_weights import HostWeights, HostWeightsError
 from dlo_worker.offload.layout import layout_of, shard_bounds, slot_capacity, streamed_parameters
@@ -302,17 +303,25 @@ class StreamSetup:
         packer: Packer,
         counters: TransferCounters,
     ) -> tuple[HostStaging | StagingRing, str]:
-        """The bounded staging of unregistered mapped blocks and its kind: the native chunk
-        ring when ``config.staging_ring`` asks for it, else the ring of block-sized buffers."""
-        if self.config.staging_ring:
+        """The bounded staging of unregistered mapped blocks and why it is this kind
+        (``default``, ``configured``, ``not-built``): the native chunk ring where it was
+        built (``config.staging`` auto or ring), else the ring of block-sized buffers."""
+        choice = self.config.staging
+        built = staging_ring_library() is not None
+        if choice == "ring":
+            check_built()
+        if choice != "buffers" and built:
             ring = StagingRing(
                 self.device,
                 slots.copy_stream,
                 counters,
                 lanes=self.config.pack_threads,
-                chunk_bytes=self.config.staging_ring_chunk_bytes,
+                chunk_bytes=self.config.ring_chunk_bytes,
+                chunks=self.config.staging_ring_chunks_per_thread * self.config.pack_threads,
             )
-            return ring, "ring"
+            return ring, "configured" if choice == "ring" else "default"
+        if choice == "auto":
+            logger.warning("staging through block buffers", extra={"fields": {"why": NOT_BUILT}})
         buffers = HostStaging(
             slot_capacity([block.layout for block in mapped], 1),
             packer,
@@ -320,4 +329,4 @@ class StreamSetup:
             page_lock=self.device.type == "cuda",
             depth=self.config.staging_buffers,
         )
-        return buffers, "buffers"
+        return buffers, "configured" if choice == "buffers" else "not-built"

@@ -35,6 +35,20 @@ class OffloadStats:
     staging: str
     """Unregistered mapped blocks: ``ring`` (the native chunk ring) or ``buffers``
     (block-sized buffers); ``none`` without staging."""
+    staging_reason: str
+    """Why this staging: ``default`` (the ring), ``configured`` (``staging`` named it),
+    ``not-built`` (block buffers: the native ring is missing); ``none`` without staging."""
+    ring_chunk_bytes: int
+    ring_idle_seconds: float
+    """Summed over the ring's packers: nothing submitted to pack."""
+    ring_full_wait_seconds: float
+    """Summed over the ring's packers: a chunk to pack, its ring slot still being copied
+    out (the copy engine is the bottleneck)."""
+    ring_feeder_wait_seconds: float
+    """The ring's copy feeder waiting for the next chunk's pack (the packers are the
+    bottleneck: the copy engine may idle)."""
+    ring_chunks: int
+    """Chunks the ring handed to the copy stream."""
     host_registration: str
     """Mapped blocks: ``registered`` (direct copies), ``off`` (no budget), or why staging
     is used (``budget``, ``unsupported``, ``cpu``, ``adapter``, ``not-mapped``, ``failed``,
@@ -44,6 +58,8 @@ class OffloadStats:
     pack_gbps: float
     """Staging pack rate (bytes packed / pack wall time)."""
     pack_wait_seconds: float
+    """Host time the model's thread waited for staging: a buffer's pack, or the ring
+    enqueuing a block's last chunk."""
     host_page_locked: bool
     device_slot_bytes: int
     largest_block_bytes: int

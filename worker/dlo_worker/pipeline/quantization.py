@@ -28,32 +28,56 @@ are the most sensitive to quantization.
 Tensor subclasses (torchao's float8 weight-only, optimum-quanto) would do the same
 arithmetic, but DLO packs plain tensors into flat per-dtype buffers and moves their
 storage, which a subclass hides behind its own layout.
+
+Quantizing is an edit of the loaded weights (:func:`fp8_weights`), made before the DiTs'
+host backing is chosen: a runtime-cache entry then holds the FP8 weights and their
+scales (each also a persistent buffer), so FP8 DiTs stream from the node's shared page
+cache like bf16 ones, and a start whose entry is recorded binds a skeleton quantized the
+same way to it without reading or quantizing the checkpoint (:func:`read_scales`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dlo_worker.loader.diffusers_loader import HostWeightEdit
 from dlo_worker.offload.plan import discover
 
 logger = logging.getLogger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
+FP8_IDENTITY = "quantization=fp8-per-tensor-e4m3"
+"""What FP8 weights are, as the runtime cache's source and entry identities hold it."""
 
 
 class Float8Linear(nn.Module):
-    """A linear layer whose weight is FP8 (e4m3) with a per-tensor scale."""
+    """A linear layer whose weight is FP8 (e4m3) with a per-tensor scale.
+
+    Built from a meta ``nn.Linear`` (a skeleton), it holds meta tensors and no scale
+    until the weights are bound and :func:`read_scales` reads them."""
+
+    scale: torch.Tensor
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.bias = linear.bias
+        if linear.weight.is_meta:
+            self.weight = nn.Parameter(
+                torch.empty(linear.weight.shape, dtype=FP8_DTYPE, device="meta"),
+                requires_grad=False,
+            )
+            self.register_buffer("scale", torch.empty((), dtype=torch.float32, device="meta"))
+            self.weight_scale = math.nan
+            return
         weight = linear.weight.detach().float()
         amax = weight.abs().amax()
         # An all-zero weight keeps scale 1: zeros quantize exactly either way. Computed in
@@ -63,7 +87,9 @@ class Float8Linear(nn.Module):
         # Casting to e4m3fn does not saturate (beyond 448 it gives NaN): clamp.
         quantized = (weight / self.weight_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         self.weight = nn.Parameter(quantized, requires_grad=False)
-        self.bias = linear.bias
+        # The same float32 value as a tensor, so the state dict (a runtime-cache entry)
+        # holds it.
+        self.register_buffer("scale", torch.tensor(self.weight_scale, dtype=torch.float32))
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as ``dtype`` (for inspection; the forward never builds it)."""
@@ -89,24 +115,71 @@ class Float8Linear(nn.Module):
         )
 
 
-def quantize_blocks_fp8(model_or_pipeline: object, block_paths: Sequence[str] | None = None) -> int:
+def quantize_blocks_fp8(
+    model_or_pipeline: object,
+    block_paths: Sequence[str] | None = None,
+    skip_components: frozenset[str] = frozenset(),
+) -> int:
     """Replace every ``nn.Linear`` inside the DiT blocks (found as DLO finds them) with a
     :class:`Float8Linear`; returns how many were replaced. Runs where the weights are,
-    before DLO is enabled or the DiT moves to the device."""
+    before DLO is enabled or the DiT moves to the device. DiTs in ``skip_components`` are
+    bound to a runtime-cache entry that holds their FP8 weights (their scales are read
+    once DLO has bound them: :func:`read_scales`)."""
     replaced = 0
     saved = 0
+    plan = discover(model_or_pipeline, block_paths)
     blocks = [
-        block for dit in discover(model_or_pipeline, block_paths).dits for _, block in dit.blocks
+        block for dit in plan.dits if dit.name not in skip_components for _, block in dit.blocks
     ]
     for block in tqdm(blocks, desc="FP8 weights", unit="block", disable=len(blocks) < 2):
-        for parent in list(block.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    saved += child.weight.numel() * (child.weight.element_size() - 1)
-                    setattr(parent, name, Float8Linear(child))
-                    replaced += 1
+        for parent, name, child in _linears(block):
+            saved += child.weight.numel() * (child.weight.element_size() - 1)
+            setattr(parent, name, Float8Linear(child))
+            replaced += 1
     logger.info(
         "fp8 weights",
         extra={"fields": {"linears": replaced, "bytes_saved": saved}},
     )
     return replaced
+
+
+def quantized_skeleton(skeleton: nn.Module, block_paths: Sequence[str] | None = None) -> None:
+    """Give a DiT's meta skeleton the structure :func:`quantize_blocks_fp8` gives the loaded
+    DiT (FP8 weights, scale buffers), so an entry built from that DiT binds to it."""
+    for _, block in (pair for dit in discover(skeleton, block_paths).dits for pair in dit.blocks):
+        for parent, name, child in _linears(block):
+            setattr(parent, name, Float8Linear(child))
+
+
+def read_scales(model_or_pipeline: object) -> None:
+    """Each :class:`Float8Linear`'s GEMM ``alpha`` from its ``scale`` buffer: for a DiT
+    bound to a runtime-cache entry, once DLO has bound its tensors (before, they are meta
+    and every ``alpha`` NaN, so a forward could only produce a refused image). Layers
+    quantized here already know theirs: their scale is not read back from the device."""
+    for dit in discover(model_or_pipeline).dits:
+        for layer in dit.module.modules():
+            if isinstance(layer, Float8Linear) and math.isnan(layer.weight_scale):
+                layer.weight_scale = layer.scale.item()
+
+
+def fp8_weights(block_paths: Sequence[str] | None = None) -> HostWeightEdit:
+    """``--quantization fp8``: the edit the loader writes into the loaded DiTs (and into a
+    skip-load skeleton's structure), keyed by :data:`FP8_IDENTITY`."""
+
+    def apply(pipeline: object, skip: frozenset[str]) -> None:
+        quantize_blocks_fp8(pipeline, block_paths, skip)
+
+    return HostWeightEdit(
+        identity=(FP8_IDENTITY,),
+        apply=apply,
+        skeleton=lambda dit: quantized_skeleton(dit, block_paths),
+    )
+
+
+def _linears(block: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    return [
+        (parent, name, child)
+        for parent in list(block.modules())
+        for name, child in list(parent.named_children())
+        if type(child) is nn.Linear
+    ]

@@ -25,6 +25,7 @@ from dlo_worker.config import (
     OffloadPolicy,
     Quantization,
     ShardingGroup,
+    Staging,
     WorkerConfig,
     load_settings,
 )
@@ -32,9 +33,11 @@ from dlo_worker.loader.diffusers_loader import (
     DIT_COMPONENTS,
     BackingDecision,
     DiffusersPipelineLoader,
+    HostWeightEdit,
 )
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
+from dlo_worker.offload.feeds import ring as staging_ring
 from dlo_worker.offload.host_weights import HostWeightsError
 from dlo_worker.pipeline import (
     compilation,
@@ -110,6 +113,8 @@ class Worker:
             self.config.model.switchable_lora_adapters, self.config.model.max_lora_rank
         )
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
+        if self.config.offload.dlo_staging == Staging.RING:
+            staging_ring.check_built()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.topology = init_topology(self.config.parallel, self.device)
@@ -117,21 +122,19 @@ class Worker:
             load_settings(self.config),
             dtype=self.dtype,
             device=self.device,
-            # --fuse-lora: written into the DiTs' private host weights before DLO packs them.
-            edit=lora.fusion(self.config.model.fused_lora_adapters),
+            edit=weight_edit(self.config),
         )
         self._pipeline = loader.load(self._check_pipeline)
         self._backing = loader.decision
         host_weights = loader.take_host_weights()
-        if self.config.model.quantization == Quantization.FP8:
-            # Before DLO packs the blocks: it streams the FP8 weights (the loader kept them
-            # ordinary tensors, never a checkpoint mapping, for that reason).
-            quantization.quantize_blocks_fp8(self.pipeline, self.config.offload.dlo_block_paths)
         policy = self.config.effective().offload_policy
         if policy in diffusers_offload.DIFFUSERS_POLICIES:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
         if policy == OffloadPolicy.DLO:
             self._enable_dlo(host_weights)
+        if self.config.model.quantization == Quantization.FP8:
+            # A DiT bound to a runtime-cache entry has its scales only now.
+            quantization.read_scales(self.pipeline)
         if self.config.parallel.sequence_parallel_size > 1:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
@@ -178,9 +181,14 @@ class Worker:
                 offload_config, self.device, host_weights
             )
             self.backend.enable(self.pipeline)
-            registration = self.backend.stats().host_registration
-            if registration != "none":
-                metrics.HOST_REGISTRATIONS.labels(result=registration).inc()
+            stats = self.backend.stats()
+            if stats.host_registration != "none":
+                metrics.HOST_REGISTRATIONS.labels(result=stats.host_registration).inc()
+            if stats.staging != "none":
+                metrics.STAGING_STARTS.labels(
+                    staging=stats.staging, reason=stats.staging_reason
+                ).inc()
+            metrics.watch_staging_ring(_ring_activity(self.backend))
         except Exception as error:
             if host_weights is None:
                 raise
@@ -202,6 +210,35 @@ class Worker:
             self._previous_sigterm = None
 
 
+def weight_edit(config: WorkerConfig) -> HostWeightEdit | None:
+    """What the loader writes into the loaded DiTs before their host backing is chosen (so
+    before DLO packs them, and into a runtime-cache entry built from them): ``--fuse-lora``
+    adapters, or ``--quantization fp8`` (the configuration refuses both together)."""
+    if config.model.quantization == Quantization.FP8:
+        return quantization.fp8_weights(config.offload.dlo_block_paths)
+    return lora.fusion(config.model.fused_lora_adapters)
+
+
+def _ring_activity(
+    backend: DistributedLayerwiseOffloadBackend,
+) -> Callable[[], dict[str, float]]:
+    """What the staging ring's threads did so far, by activity (empty without a ring)."""
+
+    def read() -> dict[str, float]:
+        ring = backend.ring_counters()
+        if ring is None:
+            return {}
+        return {
+            "pack": ring.pack_seconds,
+            "idle": ring.idle_seconds,
+            "ring_full": ring.ring_full_wait_seconds,
+            "feeder_wait": ring.feeder_wait_seconds,
+            "compute_wait": backend.pack_wait_seconds,
+        }
+
+    return read
+
+
 @dataclass(frozen=True)
 class BackendOption:
     """A worker option the backend takes: its :class:`OffloadConfig` field, and the unit
@@ -218,6 +255,10 @@ def _gib_to_bytes(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
 
+def _mib_to_bytes(value: int | None) -> int | None:
+    return None if value is None else value * 2**20
+
+
 BACKEND_OPTIONS: tuple[BackendOption, ...] = (
     BackendOption("dlo_use_allgather", "use_allgather"),
     BackendOption("dlo_resident_layers", "resident_layers"),
@@ -225,6 +266,9 @@ BACKEND_OPTIONS: tuple[BackendOption, ...] = (
     BackendOption("dlo_gpu_memory_budget_gib", "gpu_memory_budget_bytes", _gib_to_bytes),
     BackendOption("dlo_block_paths", "block_paths"),
     BackendOption("dlo_runtime_cache_pin_limit_gib", "pin_limit_bytes", _gib_to_bytes),
+    BackendOption("dlo_staging", "staging", str),
+    BackendOption("dlo_staging_chunk_mib", "staging_ring_chunk_bytes", _mib_to_bytes),
+    BackendOption("dlo_pack_threads", "pack_threads"),
 )
 """The one mapping from worker options to the backend's (the operator's ``CRD_FIELDS``
 maps the CRD to the worker options the same way); a test checks both sides exist."""
@@ -241,8 +285,10 @@ def offload_config_for(
     effective = config.effective()
     group = groups.get(effective.dlo_sharding_group)
     options = {
-        option.field: option.convert(getattr(config.offload, option.option))
+        option.field: option.convert(value)
         for option in BACKEND_OPTIONS
+        # Unset: the backend's own default (for some, chosen from the machine).
+        if (value := getattr(config.offload, option.option)) is not None
     }
     return OffloadConfig(
         process_group=group if effective.dlo_sharding_size > 1 else None,

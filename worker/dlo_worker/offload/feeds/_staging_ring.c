@@ -1,5 +1,5 @@
 /*
- * The native side of dlo_worker.offload.ring_staging: pack mapped checkpoint views
+ * The native side of dlo_worker.offload.feeds.ring: pack mapped checkpoint views
  * through a ring of page-locked chunks small enough to stay in the CPU's cache, and
  * copy each chunk to the device as soon as it is packed.
  *
@@ -9,13 +9,20 @@
  * copy itself. Here no thread touches the interpreter.
  *
  * Threads: `lanes` packers and one feeder. Chunks are numbered globally across jobs;
- * chunk g uses ring slot g % ring and is packed by lane g % lanes. A lane packs chunk
- * g once chunk g - ring was copied out of that ring slot (it waits for the slot's event).
+ * chunk g uses ring slot g % ring. Whichever lane is free claims the next chunk (so a
+ * lane the OS preempts delays one chunk, not every lanes-th chunk after it), once chunk
+ * g - ring was handed to the stream, and before packing waits for that chunk's copy out
+ * of the slot (its event, created with blocking sync: a waiting lane sleeps instead of
+ * spinning on a CPU the other lanes, the feeder or the model's launch thread need).
  * The feeder alone talks to the copy stream, in chunk order: before a job's first chunk
  * it makes the stream wait for the job's `wait_event` (the slot's release), after each
  * chunk it records the ring slot's event, after a job's last chunk it records the job's
  * `ready_event`. Python waits for a job to be *enqueued* (not copied) before it orders
  * compute after `ready_event`.
+ *
+ * Counters say where time went when a step runs slow: lanes packing, lanes idle (no
+ * chunk submitted), lanes waiting for a ring slot (the copy engine behind: the ring is
+ * full), and the feeder waiting for the next chunk's pack (the packers behind).
  *
  * Without a CUDA API (every function pointer NULL) the feeder copies chunks with memcpy
  * into host memory, so CI runs the same ring and packing logic on the CPU.
@@ -31,6 +38,7 @@
 
 #define MAX_JOBS 256
 #define CUDA_MEMCPY_HOST_TO_DEVICE 1
+#define CUDA_EVENT_BLOCKING_SYNC 1
 #define CUDA_EVENT_DISABLE_TIMING 2
 
 typedef struct {
@@ -64,10 +72,12 @@ typedef struct {
 
 typedef struct {
     uint64_t packed_bytes;
-    uint64_t pack_ns;        /* summed over lanes: time spent packing */
-    uint64_t lane_wait_ns;   /* summed over lanes: waiting for a free ring slot or work */
-    uint64_t feeder_wait_ns; /* the feeder waiting for the next chunk's pack */
-    uint64_t chunks;
+    uint64_t pack_ns;           /* summed over lanes: time spent packing */
+    uint64_t lane_idle_ns;      /* summed over lanes: no chunk submitted to pack */
+    uint64_t ring_full_wait_ns; /* summed over lanes: a chunk to pack, its ring slot busy */
+    uint64_t feeder_wait_ns;    /* the feeder waiting for the next chunk's pack */
+    uint64_t feeder_idle_ns;    /* the feeder with no chunk submitted */
+    uint64_t chunks;            /* chunks handed to the stream */
 } dlo_ring_stats;
 
 typedef struct {
@@ -91,16 +101,12 @@ typedef struct {
     uint64_t jobs_submitted;
     uint64_t jobs_enqueued;
     uint64_t chunks_submitted;
+    uint64_t chunks_claimed; /* the next chunk a free lane packs */
     uint64_t chunks_enqueued;
     int stopping;
     int error;
     dlo_ring_stats stats;
 } dlo_ring;
-
-typedef struct {
-    dlo_ring *ring;
-    int lane;
-} lane_start;
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -153,28 +159,32 @@ static void pack(const dlo_job *job, uint64_t low, uint64_t high, char *target) 
 }
 
 static void *run_lane(void *argument) {
-    lane_start *start = argument;
-    dlo_ring *ring = start->ring;
-    uint64_t chunk = (uint64_t)start->lane;
-    free(start);
+    dlo_ring *ring = argument;
     if (ring->cuda && ring->api.set_device(ring->device) != 0) {
         fail(ring, -2);
         return NULL;
     }
-    for (;; chunk += (uint64_t)ring->nlanes) {
-        uint64_t waited = now_ns();
+    for (;;) {
+        uint64_t idle = 0, ring_full = 0;
         pthread_mutex_lock(&ring->mutex);
-        /* Work for this chunk, and its ring slot's previous chunk handed to the stream. */
-        while (!ring->stopping &&
-               (chunk >= ring->chunks_submitted || ring->chunks_enqueued + ring->nring <= chunk))
+        for (;;) {
+            int no_work = ring->chunks_claimed >= ring->chunks_submitted;
+            /* The ring slot's previous chunk must be on the stream before it is overwritten. */
+            if (ring->stopping || !(no_work || ring->chunks_enqueued + ring->nring <= ring->chunks_claimed))
+                break;
+            uint64_t waited = now_ns();
             pthread_cond_wait(&ring->changed, &ring->mutex);
+            *(no_work ? &idle : &ring_full) += now_ns() - waited;
+        }
         if (ring->stopping) {
             pthread_mutex_unlock(&ring->mutex);
             return NULL;
         }
+        uint64_t chunk = ring->chunks_claimed++;
         const dlo_job *found = job_of_locked(ring, chunk);
         dlo_job job = *found;
         pthread_mutex_unlock(&ring->mutex);
+        uint64_t unlocked = now_ns();
         uint64_t slot = chunk % ring->nring;
         if (ring->cuda && chunk >= ring->nring) {
             int status = ring->api.event_synchronize(ring->events[slot]);
@@ -184,6 +194,7 @@ static void *run_lane(void *argument) {
             }
         }
         uint64_t began = now_ns();
+        ring_full += began - unlocked; /* the copy out of the ring slot was still running */
         uint64_t low = (chunk - job.first_chunk) * ring->chunk_bytes;
         uint64_t high = low + ring->chunk_bytes < job.nbytes ? low + ring->chunk_bytes : job.nbytes;
         pack(&job, low, high, ring->ring + slot * ring->chunk_bytes);
@@ -192,7 +203,8 @@ static void *run_lane(void *argument) {
         ring->packed[slot] = (int64_t)chunk;
         ring->stats.packed_bytes += high - low;
         ring->stats.pack_ns += ended - began;
-        ring->stats.lane_wait_ns += began - waited;
+        ring->stats.lane_idle_ns += idle;
+        ring->stats.ring_full_wait_ns += ring_full;
         pthread_cond_broadcast(&ring->changed);
         pthread_mutex_unlock(&ring->mutex);
     }
@@ -227,15 +239,17 @@ static void *run_feeder(void *argument) {
         return NULL;
     }
     for (uint64_t chunk = 0;; chunk++) {
-        uint64_t waited = now_ns();
         pthread_mutex_lock(&ring->mutex);
-        while (!ring->stopping && ring->packed[chunk % ring->nring] != (int64_t)chunk)
+        while (!ring->stopping && ring->packed[chunk % ring->nring] != (int64_t)chunk) {
+            int no_work = chunk >= ring->chunks_submitted;
+            uint64_t waited = now_ns();
             pthread_cond_wait(&ring->changed, &ring->mutex);
+            *(no_work ? &ring->stats.feeder_idle_ns : &ring->stats.feeder_wait_ns) += now_ns() - waited;
+        }
         if (ring->stopping) {
             pthread_mutex_unlock(&ring->mutex);
             return NULL;
         }
-        ring->stats.feeder_wait_ns += now_ns() - waited;
         dlo_job job = *job_of_locked(ring, chunk);
         pthread_mutex_unlock(&ring->mutex);
         int status = enqueue(ring, &job, chunk);
@@ -292,7 +306,8 @@ dlo_ring *dlo_ring_create(const dlo_cuda_api *api, int device, void *stream, cha
     if (ring->cuda) {
         int status = ring->api.set_device(device);
         for (uint64_t slot = 0; !status && slot < nring; slot++)
-            status = ring->api.event_create_with_flags(&ring->events[slot], CUDA_EVENT_DISABLE_TIMING);
+            status = ring->api.event_create_with_flags(
+                &ring->events[slot], CUDA_EVENT_BLOCKING_SYNC | CUDA_EVENT_DISABLE_TIMING);
         if (status) {
             *error = status;
             dlo_ring_destroy(ring);
@@ -306,10 +321,7 @@ dlo_ring *dlo_ring_create(const dlo_cuda_api *api, int device, void *stream, cha
     }
     ring->threads_started = 1;
     for (int lane = 0; lane < lanes; lane++) {
-        lane_start *start = malloc(sizeof(lane_start));
-        if (!start || (start->ring = ring, start->lane = lane,
-                       pthread_create(&ring->lanes[lane], NULL, run_lane, start) != 0)) {
-            free(start);
+        if (pthread_create(&ring->lanes[lane], NULL, run_lane, ring) != 0) {
             ring->nlanes = lane; /* join only the lanes that run */
             *error = EAGAIN;
             dlo_ring_destroy(ring);

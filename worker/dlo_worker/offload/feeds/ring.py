@@ -22,7 +22,6 @@ enqueued that record before it orders itself after the event.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlo_worker.errors import UserFixableError
+from dlo_worker.native import NOT_BUILT, staging_ring_library
 from dlo_worker.offload.block import StreamedBlock, coalesce
 from dlo_worker.offload.feeds.arena import HostArena
 from dlo_worker.offload.feeds.cuda_registrar import loaded_cudart
@@ -39,11 +39,6 @@ if TYPE_CHECKING:
     from dlo_worker.offload.slots import TransferCounters
 
 logger = logging.getLogger(__name__)
-
-CHUNKS_PER_LANE = 2
-"""A packer fills one chunk while the copy engine reads its previous one."""
-
-_LIBRARY_MODULE = "dlo_worker.offload.feeds._staging_ring"
 
 
 class StagingRingUnavailableError(RuntimeError, UserFixableError):
@@ -91,21 +86,29 @@ class _Stats(ctypes.Structure):
     _fields_ = (
         ("packed_bytes", ctypes.c_uint64),
         ("pack_ns", ctypes.c_uint64),
-        ("lane_wait_ns", ctypes.c_uint64),
+        ("lane_idle_ns", ctypes.c_uint64),
+        ("ring_full_wait_ns", ctypes.c_uint64),
         ("feeder_wait_ns", ctypes.c_uint64),
+        ("feeder_idle_ns", ctypes.c_uint64),
         ("chunks", ctypes.c_uint64),
     )
 
 
+def check_built() -> None:
+    """Refuse to start with the ring asked for where this installation did not build it."""
+    if staging_ring_library() is None:
+        raise StagingRingUnavailableError(
+            f"--dlo-staging ring: {NOT_BUILT}; or stage with block buffers (--dlo-staging "
+            "auto or buffers)"
+        )
+
+
 def load_library() -> ctypes.CDLL:
     """The built native ring; :class:`StagingRingUnavailableError` says why when it is missing."""
-    spec = importlib.util.find_spec(_LIBRARY_MODULE)
-    if spec is None or spec.origin is None:
-        raise StagingRingUnavailableError(
-            "the native staging ring was not built (installing diffusion-dlo needs a C "
-            "compiler for it); packing through block buffers instead"
-        )
-    library = ctypes.CDLL(spec.origin)
+    path = staging_ring_library()
+    if path is None:
+        raise StagingRingUnavailableError(NOT_BUILT)
+    library = ctypes.CDLL(str(path))
     library.dlo_ring_create.restype = ctypes.c_void_p
     library.dlo_ring_create.argtypes = [
         ctypes.POINTER(_CudaApi),
@@ -155,10 +158,14 @@ class RingCounters:
     packed_bytes: int
     pack_seconds: float
     """Summed over packers: time spent packing."""
-    packer_wait_seconds: float
-    """Summed over packers: time waiting for work or for a free chunk."""
+    idle_seconds: float
+    """Summed over packers: no chunk submitted to pack (the model computes)."""
+    ring_full_wait_seconds: float
+    """Summed over packers: a chunk to pack but its ring slot still being copied out (the
+    copy engine is behind the packers: where a copy-bound step spends its time)."""
     feeder_wait_seconds: float
-    """Time the copy-ordering thread waited for the next chunk's pack."""
+    """Time the copy-ordering thread waited for the next chunk's pack (the packers are
+    behind the copy engine: with the copy engine idle, this is lost time)."""
     chunks: int
 
 
@@ -173,11 +180,13 @@ class StagingRing:
         *,
         lanes: int,
         chunk_bytes: int,
+        chunks: int,
     ) -> None:
         self._library = load_library()
         self.lanes = lanes
+        self.chunk_bytes = chunk_bytes
         self._counters = counters
-        chunks = max(2, CHUNKS_PER_LANE * lanes)
+        chunks = max(2, chunks)
         on_cuda = device.type == "cuda"
         self._arena = HostArena({torch.uint8: chunks * chunk_bytes}, page_lock=on_cuda)
         memory = self._arena.take(torch.uint8, chunks * chunk_bytes)
@@ -268,7 +277,8 @@ class StagingRing:
         return RingCounters(
             packed_bytes=stats.packed_bytes,
             pack_seconds=stats.pack_ns / 1e9,
-            packer_wait_seconds=stats.lane_wait_ns / 1e9,
+            idle_seconds=stats.lane_idle_ns / 1e9,
+            ring_full_wait_seconds=stats.ring_full_wait_ns / 1e9,
             feeder_wait_seconds=stats.feeder_wait_ns / 1e9,
             chunks=stats.chunks,
         )
