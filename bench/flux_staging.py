@@ -21,14 +21,18 @@ Every DLO step is timed synchronized around each step and back to back (as
 
 Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
 of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` through the
-native chunk ring (``OffloadConfig.staging_ring``).
+native chunk ring (the worker's default; 0 MiB: the chunk size the worker chooses for
+this machine). Each ring run records where the ring's threads spent their time (packing,
+idle, waiting for a ring slot's copy, the feeder waiting for packs, the model waiting
+for a block's last chunk), so a slow run explains itself.
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of docs/limits.md (30-34 GB/s).
 
     python bench/flux_staging.py --resolutions 1024 2048 --json out.json
 
-``DLO_BENCH_DIR`` chooses where the 24 GB checkpoint is written (default: a temp dir).
+``DLO_BENCH_DIR`` chooses where the 24 GB checkpoint is written (default: a temp dir);
+``--checkpoint-dir`` keeps it, so repeated runs write it once.
 """
 
 from __future__ import annotations
@@ -89,8 +93,9 @@ def checkpoint_backed(
     *,
     registration_bytes: int = 0,
     staging_buffers: int = 3,
-    staging_ring: bool = False,
-    ring_chunk_mib: int = 8,
+    staging: str = "buffers",
+    ring_chunk_mib: int = 0,
+    ring_depth: int = 2,
 ):
     """The skeleton and backend the worker would build from this directory."""
     from diffusers import FluxTransformer2DModel
@@ -119,8 +124,9 @@ def checkpoint_backed(
             pack_threads=pack_threads,
             pin_limit_bytes=registration_bytes,
             staging_buffers=staging_buffers,
-            staging_ring=staging_ring,
-            staging_ring_chunk_bytes=ring_chunk_mib * 2**20,
+            staging=staging,
+            staging_ring_chunk_bytes=ring_chunk_mib * 2**20 or None,
+            staging_ring_chunks_per_thread=ring_depth,
         ),
         device,
         mapped,
@@ -305,24 +311,29 @@ def staging_runs(
     """The checkpoint-mmap staging path for each ``--pack-threads`` and ``--staging`` kind
     (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``)."""
     runs = [
-        (threads, kind, size)
+        (threads, kind, size, depth)
         for threads in args.pack_threads
         for kind in args.staging
         for size in (args.ring_chunk_mib if kind == "ring" else args.staging_buffers)
+        for depth in (args.ring_depth if kind == "ring" else [0])
     ]
-    for threads, kind, size in runs:
+    for threads, kind, size, depth in runs:
         started = time.perf_counter()
         skeleton, backend = checkpoint_backed(
             directory,
             device,
             threads,
             staging_buffers=size if kind == "buffers" else 3,
-            staging_ring=kind == "ring",
-            ring_chunk_mib=size if kind == "ring" else 8,
+            staging=kind,
+            ring_chunk_mib=size if kind == "ring" else 0,
+            ring_depth=depth or 2,
         )
         backend.enable(skeleton)
         setup_s = time.perf_counter() - started
-        run = f"ring_{threads}t_{size}mib" if kind == "ring" else f"{threads}t_{size}b"
+        chunk_mib = backend.stats().ring_chunk_bytes // 2**20
+        run = (
+            f"ring_{threads}t_{chunk_mib}mib_{depth}d" if kind == "ring" else f"{threads}t_{size}b"
+        )
         for resolution in args.resolutions:
             release(device)
             row = report["results"][resolution]
@@ -345,6 +356,13 @@ def staging_runs(
             "staging_gib": stats.staging_bytes / 2**30,
             "host_private_gib": stats.host_bytes / 2**30,
             "exposed_wait_ms_per_block": stats.exposed_wait_seconds_per_block * 1e3,
+            "staging": stats.staging,
+            "ring_chunk_mib": stats.ring_chunk_bytes / 2**20,
+            "ring_chunks": stats.ring_chunks,
+            "ring_idle_s": stats.ring_idle_seconds,
+            "ring_full_wait_s": stats.ring_full_wait_seconds,
+            "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
+            "compute_wait_s": stats.pack_wait_seconds,
         }
         backend.disable()
         del skeleton, backend
@@ -377,11 +395,19 @@ def print_report(report: dict) -> None:
         print(f"cache entry: {entry['gib']:.2f} GiB built in {entry['build_s']:.1f} s")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    from dlo_worker.offload import OffloadConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--resolutions", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--pack-threads", type=int, nargs="+", default=[8])
+    parser.add_argument(
+        "--pack-threads",
+        type=int,
+        nargs="+",
+        default=[OffloadConfig().pack_threads],
+        help="Default: the worker's (this process's share of the CPUs, at most 8).",
+    )
     parser.add_argument("--staging-buffers", type=int, nargs="+", default=[3])
     parser.add_argument(
         "--staging",
@@ -390,7 +416,25 @@ def main() -> None:
         default=["ring", "buffers"],
         help="Staging kinds: the native chunk ring, block-sized buffers.",
     )
-    parser.add_argument("--ring-chunk-mib", type=int, nargs="+", default=[8])
+    parser.add_argument(
+        "--ring-chunk-mib",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="Ring chunk sizes; 0: the worker's choice for this machine.",
+    )
+    parser.add_argument(
+        "--ring-depth",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="Ring chunks per pack thread (staging_ring_chunks_per_thread).",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="Write the checkpoint here once and reuse it (default: a temporary directory).",
+    )
     parser.add_argument(
         "--skip-registered", action="store_true", help="Skip the registered checkpoint runs."
     )
@@ -405,9 +449,13 @@ def main() -> None:
     parser.add_argument(
         "--cache-entry", action="store_true", help="Also stream a runtime-cache entry."
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
     from dlo_worker.offload import enable_dlo
 
+    args = parse_args()
     device = torch.device("cuda", 0)
     report: dict = {
         "gpu": torch.cuda.get_device_name(device),
@@ -418,9 +466,12 @@ def main() -> None:
     }
     inputs = {r: flux_inputs(r, device) for r in args.resolutions}
     with tempfile.TemporaryDirectory(dir=os.environ.get("DLO_BENCH_DIR")) as root:
-        directory = Path(root)
+        directory = args.checkpoint_dir or Path(root)
         model = build_flux(device)
-        report["write_s"] = write_checkpoint(model, directory)
+        index = directory / "diffusion_pytorch_model.safetensors.index.json"
+        if not index.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            report["write_s"] = write_checkpoint(model, directory)
         for resolution in args.resolutions:
             release(device)
             report["results"][resolution] = {
