@@ -394,6 +394,22 @@ class Offload(_Api):
         description="GPU memory for the DiT's weights: non-block weights, two slots and as "
         "many resident blocks as fit (instead of residentLayers; no-AllGather).",
     )
+    max_gpu_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        alias="maxGpuMemoryGiB",
+        description="GPU memory (GiB) each worker's pipeline may use, activations included: "
+        "planned per component at start (the DiT streamed only where the pipeline does not "
+        "fit, with enabled false; a T5 text encoder streamed too where needed) and "
+        "enforced on a larger GPU. Instead of gpuMemoryBudgetGiB and residentLayers; "
+        "no-AllGather.",
+    )
+    stream_text_encoders: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description="Text encoder components streamed through the DiT's slots (e.g. "
+        "text_encoder_2, a T5; no-AllGather). maxGpuMemoryGiB chooses them when empty.",
+    )
     all_gather_shard_buffers: int = Field(
         default=4,
         ge=2,

@@ -123,6 +123,12 @@ CRD_FIELDS: dict[str, CrdField] = {
     "dlo_gpu_memory_budget_gib": CrdField(
         "offload.gpuMemoryBudgetGiB", lambda spec: spec.offload.gpu_memory_budget_gib
     ),
+    "max_gpu_memory_gib": CrdField(
+        "offload.maxGpuMemoryGiB", lambda spec: spec.offload.max_gpu_memory_gib
+    ),
+    "dlo_stream_text_encoders": CrdField(
+        "offload.streamTextEncoders", lambda spec: tuple(spec.offload.stream_text_encoders)
+    ),
     "dlo_allgather_shard_buffers": CrdField(
         "offload.allGatherShardBuffers", lambda spec: spec.offload.all_gather_shard_buffers
     ),

@@ -398,3 +398,51 @@ def test_the_staging_ring_is_the_default_where_built_and_buffers_elsewhere(monke
 def test_a_ring_chunk_size_with_block_buffers_is_refused() -> None:
     message = rejected(offload={**DLO, "dlo_staging": "buffers", "dlo_staging_chunk_mib": 4})
     assert "--dlo-staging-chunk-mib sizes the staging ring" in message
+
+
+def test_the_device_budget_refuses_the_options_that_size_the_dit_share_themselves() -> None:
+    budget = {"max_gpu_memory_gib": 24}
+    for option, flag in (
+        ({"dlo_gpu_memory_budget_gib": 10}, "--dlo-gpu-memory-budget-gib"),
+        ({"dlo_resident_layers": 2}, "--dlo-resident-layers"),
+    ):
+        message = rejected(offload={**NO_ALLGATHER, **budget, **option})
+        assert f"{flag} and --max-gpu-memory-gib both size" in message
+        assert f"drop {flag}" in message
+    assert config(offload=budget).offload.max_gpu_memory_gib == 24
+    assert config(offload={**NO_ALLGATHER, **budget}).effective().offload_policy == "dlo"
+
+
+@pytest.mark.parametrize("value", [0, -1, math.inf])
+def test_the_device_budget_is_a_positive_finite_size(value: float) -> None:
+    message = rejected(offload={"max_gpu_memory_gib": value})
+    assert "--max-gpu-memory-gib must be" in message
+
+
+def test_rank_local_planning_and_streamed_text_encoders_refuse_allgather() -> None:
+    dp2 = {"data_parallel_size": 2}
+    for option, flag in (
+        ({"max_gpu_memory_gib": 24}, "--max-gpu-memory-gib"),
+        ({"dlo_stream_text_encoders": "text_encoder_2"}, "--dlo-stream-text-encoders"),
+    ):
+        message = rejected(parallel=dp2, offload={**DLO, **option})
+        assert message.startswith(flag)
+        assert "add --dlo-no-use-allgather" in message
+        assert config(parallel=dp2, offload={**NO_ALLGATHER, **option})
+
+
+def test_streamed_text_encoders_are_a_dlo_option_parsed_from_commas() -> None:
+    chosen = config(offload={**DLO, "dlo_stream_text_encoders": "text_encoder_2, text_encoder"})
+    assert chosen.offload.dlo_stream_text_encoders == ("text_encoder_2", "text_encoder")
+    assert load_settings(
+        chosen.model_copy(update={"model": chosen.model.model_copy(update={"model": Path("/m")})})
+    ).streamed_text_encoders == ("text_encoder_2", "text_encoder")
+    message = rejected(offload={"dlo_stream_text_encoders": "text_encoder_2"})
+    assert "--dlo-stream-text-encoders apply only to DLO" in message
+
+
+def test_adapters_loaded_while_serving_are_refused_with_the_device_budget() -> None:
+    from dlo_worker.config.rules import runtime_lora_errors
+
+    (message,) = runtime_lora_errors(config(offload={"max_gpu_memory_gib": 24}))
+    assert message.startswith("--lora-load-dir with --max-gpu-memory-gib")

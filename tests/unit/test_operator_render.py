@@ -120,6 +120,14 @@ def test_rendered_worker_arguments_pass_the_workers_own_validation(capsys) -> No
         ),
         spec(model={"imagePath": "/opt/model"}, dtype="bfloat16"),
         spec(offload={"useAllGather": False, "gpuMemoryBudgetGiB": 40}),
+        spec(
+            offload={
+                "useAllGather": False,
+                "maxGpuMemoryGiB": 24,
+                "streamTextEncoders": ["text_encoder_2"],
+            }
+        ),
+        spec(offload={"enabled": False, "maxGpuMemoryGiB": 12}),
         spec(offload={"allGatherShardBuffers": 2}),
         spec(
             offload={

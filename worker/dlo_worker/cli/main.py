@@ -266,6 +266,7 @@ def _command_generate(args: argparse.Namespace) -> int:
         write_png,
     )
     from dlo_worker.engine.request import request_problems
+    from dlo_worker.process.device_budget import device_peak
     from dlo_worker.process.worker import Worker
 
     def check_request(pipeline: DiffusionPipeline) -> None:
@@ -293,6 +294,8 @@ def _command_generate(args: argparse.Namespace) -> int:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})
         if worker.compiled is not None:
             logger.info("compile stats", extra={"fields": worker.compiled.fields()})
+        if worker.device.type == "cuda":
+            logger.info("device memory", extra={"fields": device_peak(worker.device)})
     if worker.topology.coordinates.sequence_parallel_rank > 0:
         return 0  # the SP group's first rank writes the images they made together
     outs = image_output_paths(

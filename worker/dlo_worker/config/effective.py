@@ -31,6 +31,10 @@ class EffectiveConfig(Options):
     """What the worker will do, derived purely from a valid :class:`WorkerConfig`."""
 
     offload_policy: OffloadPolicy
+    offload_planned_at_start: bool
+    """``--max-gpu-memory-gib``: the policy above holds where the pipeline fits the budget;
+    where it does not, the start plans DLO (rank-local) and these decisions become the
+    plan's (its ``device memory plan`` log line says which)."""
     transfer_mode: TransferMode
     dlo_sharding_group: ShardingGroup
     dlo_sharding_size: int
@@ -119,6 +123,7 @@ def resolve(config: WorkerConfig) -> EffectiveConfig:
         group, size, transfer = ShardingGroup.NONE, 1, TransferMode.NONE
     return EffectiveConfig(
         offload_policy=policy,
+        offload_planned_at_start=offload.max_gpu_memory_gib is not None,
         transfer_mode=transfer,
         dlo_sharding_group=group,
         dlo_sharding_size=size,
@@ -153,6 +158,8 @@ class LoadSettings:
     model_dir: Path
     offload_policy: OffloadPolicy
     block_paths: tuple[str, ...] | None
+    streamed_text_encoders: tuple[str, ...]
+    """Text encoders DLO streams: loaded into host memory like streamed DiTs."""
     host_backings: tuple[HostBacking, ...]
     """Most preferred first (:attr:`EffectiveConfig.host_backing_candidates`)."""
     runtime_cache: RuntimeCacheSettings | None
@@ -186,6 +193,9 @@ def load_settings(config: WorkerConfig) -> LoadSettings:
         model_dir=config.model.model,
         offload_policy=effective.offload_policy,
         block_paths=offload.dlo_block_paths,
+        streamed_text_encoders=offload.dlo_stream_text_encoders
+        if effective.offload_policy == OffloadPolicy.DLO
+        else (),
         host_backings=backings,
         runtime_cache=runtime_cache,
     )

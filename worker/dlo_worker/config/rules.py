@@ -17,7 +17,12 @@ if TYPE_CHECKING:
 def combination_errors(config: WorkerConfig) -> list[str]:
     """Every violated compatibility rule, each naming the options involved and the fix."""
     parallel, offload, quantization = config.parallel, config.offload, config.model.quantization
-    errors = _hsdp_errors(parallel) + _compile_errors(config) + _lora_errors(config)
+    errors = (
+        _hsdp_errors(parallel)
+        + _compile_errors(config)
+        + _lora_errors(config)
+        + _device_budget_errors(offload)
+    )
     if not offload.enable_distributed_layerwise_offload:
         errors += _dlo_options_without_dlo(offload)
         if offload.enable_cpu_offload and offload.enable_layerwise_offload:
@@ -50,6 +55,7 @@ def combination_errors(config: WorkerConfig) -> list[str]:
             "--dlo-resident-layers and --dlo-gpu-memory-budget-gib both choose the resident "
             "blocks; set one of them"
         )
+    errors += _rank_local_only_errors(offload, sharding_size)
     if offload.dlo_enable_runtime_cache:
         if quantization not in (Quantization.NONE, Quantization.FP8):
             errors.append(
@@ -83,6 +89,39 @@ def combination_errors(config: WorkerConfig) -> list[str]:
             "memory; add --dlo-no-use-allgather or set it to 0"
         )
     return errors
+
+
+def _rank_local_only_errors(offload: OffloadOptions, sharding_size: int) -> list[str]:
+    """Options that plan or stream complete blocks on each rank, under DLO AllGather."""
+    errors: list[str] = []
+    if sharding_size == 1:
+        return errors
+    if offload.max_gpu_memory_gib is not None:
+        errors.append(
+            "--max-gpu-memory-gib plans complete blocks on each GPU, but DLO AllGather shards "
+            "them over the DP/SP group; add --dlo-no-use-allgather or drop the budget"
+        )
+    if offload.dlo_stream_text_encoders:
+        errors.append(
+            "--dlo-stream-text-encoders streams complete rank-local blocks, but DLO AllGather "
+            "shards them over the DP/SP group; add --dlo-no-use-allgather or drop it"
+        )
+    return errors
+
+
+def _device_budget_errors(offload: OffloadOptions) -> list[str]:
+    """``--max-gpu-memory-gib`` plans the DiT's share of the device itself."""
+    if offload.max_gpu_memory_gib is None:
+        return []
+    return [
+        f"{flag} and --max-gpu-memory-gib both size the DiT's device memory; "
+        f"--max-gpu-memory-gib plans the resident blocks from the whole pipeline: drop {flag}"
+        for flag, is_set in (
+            ("--dlo-gpu-memory-budget-gib", offload.dlo_gpu_memory_budget_gib is not None),
+            ("--dlo-resident-layers", offload.dlo_resident_layers > 0),
+        )
+        if is_set
+    ]
 
 
 def _allgather_errors(config: WorkerConfig) -> list[str]:
@@ -147,12 +186,16 @@ def runtime_lora_errors(config: WorkerConfig) -> list[str]:
     errors = _quantized_adapter_errors(config, flag) + _adapter_errors(
         config, config.effective().offload_policy, flag
     )
-    if config.offload.dlo_gpu_memory_budget_gib is not None:
-        errors.append(
-            f"{flag} with --dlo-gpu-memory-budget-gib: the budget plans the resident blocks "
-            "at start, and adapters loaded later would be outside it; give the adapters "
-            "with --lora (counted in the budget), or drop the budget"
-        )
+    for budget_flag, budget in (
+        ("--dlo-gpu-memory-budget-gib", config.offload.dlo_gpu_memory_budget_gib),
+        ("--max-gpu-memory-gib", config.offload.max_gpu_memory_gib),
+    ):
+        if budget is not None:
+            errors.append(
+                f"{flag} with {budget_flag}: the budget plans the resident blocks at start, "
+                "and adapters loaded later would be outside it; give the adapters with "
+                "--lora (counted in the budget), or drop the budget"
+            )
     return errors
 
 

@@ -8,7 +8,14 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dlo_worker.config.effective import EffectiveConfig, resolve
 from dlo_worker.config.flags import describe_validation_error, flag_for
@@ -233,6 +240,21 @@ class OffloadOptions(Options):
         "bytes spread evenly through the forward); leave the rest "
         "of the GPU for activations and the other components (no-AllGather only).",
     )
+    max_gpu_memory_gib: float | None = Field(
+        default=None,
+        description="Device memory (GiB) the whole pipeline may use: weights, DLO's slots and "
+        "activations. At start the worker plans every component against it and logs the "
+        "plan: all resident when the pipeline fits, else the DiT streamed by DLO with as many "
+        "resident blocks as fit, and a streamable text encoder (T5) streamed too when "
+        "needed; refused naming the memory needed when nothing fits. On a larger CUDA device "
+        "the allocator is capped at it (so a smaller GPU can be emulated).",
+    )
+    dlo_stream_text_encoders: tuple[str, ...] = Field(
+        default=(),
+        description="Comma-separated text encoder components (e.g. text_encoder_2, Flux's "
+        "T5-XXL) DLO streams through the DiT's two slots, once per prompt encoding, instead "
+        "of holding them on the device; --max-gpu-memory-gib chooses them when unset.",
+    )
     dlo_allgather_shard_buffers: Annotated[int, Field(ge=2, le=64)] = Field(
         default=4,
         description="DLO AllGather: device buffers for this rank's block shards (each the "
@@ -304,6 +326,12 @@ class OffloadOptions(Options):
             raise ValueError("--dlo-block-paths needs at least one attribute path")
         return value
 
+    @field_validator("dlo_stream_text_encoders", mode="before")
+    @classmethod
+    def _split_text_encoders(cls, value: object) -> object:
+        names = _comma_separated(value)
+        return value if names is None else tuple(names)
+
     @field_validator("dlo_runtime_cache_lock_timeout")
     @classmethod
     def _lock_timeout_positive(cls, value: float) -> float:
@@ -312,14 +340,15 @@ class OffloadOptions(Options):
             raise ValueError(f"--dlo-runtime-cache-lock-timeout must be > 0 seconds, got {value!r}")
         return value
 
-    @field_validator("dlo_gpu_memory_budget_gib")
+    @field_validator("dlo_gpu_memory_budget_gib", "max_gpu_memory_gib")
     @classmethod
-    def _budget_positive(cls, value: float | None) -> float | None:
+    def _budget_positive(cls, value: float | None, info: ValidationInfo) -> float | None:
         if value is None:
             return value
-        _finite(value, "dlo_gpu_memory_budget_gib")
+        field_name = info.field_name or ""
+        _finite(value, field_name)
         if value <= 0:
-            raise ValueError(f"--dlo-gpu-memory-budget-gib must be > 0 GiB, got {value!r}")
+            raise ValueError(f"{flag_for(field_name)} must be > 0 GiB, got {value!r}")
         return value
 
     @field_validator("dlo_runtime_cache_size_budget_gib")

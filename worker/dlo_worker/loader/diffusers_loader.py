@@ -164,8 +164,10 @@ class DiffusersPipelineLoader:
         for name, component in pipeline.components.items():
             if isinstance(component, nn.Module) and name not in prepared.bound:
                 check_finite_parameters(self.model_dir / name, component)
-                on_host = (self.streams_dit and name in DIT_COMPONENTS) or stays_on_host(
-                    self.policy, name, DIT_COMPONENTS
+                on_host = (
+                    (self.streams_dit and name in DIT_COMPONENTS)
+                    or name in self.settings.streamed_text_encoders
+                    or stays_on_host(self.policy, name, DIT_COMPONENTS)
                 )
                 component.to(torch.device("cpu") if on_host else self.device)
         if self.edit is not None:

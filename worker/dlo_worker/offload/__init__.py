@@ -29,6 +29,7 @@ def enable_dlo(
     gpu_memory_budget_gib: float | None = None,
     block_paths: Sequence[str] | None = None,
     allgather_shard_buffers: int = OffloadConfig.allgather_shard_buffers,
+    text_encoders: Sequence[str] = (),
 ) -> DistributedLayerwiseOffloadBackend:
     """Stream the DiT blocks of a diffusers pipeline or a module; returns the enabled backend.
 
@@ -40,6 +41,7 @@ def enable_dlo(
     ``block_paths`` names the DiT's block lists (e.g. ``["transformer_blocks"]``) where
     discovery cannot find them. ``allgather_shard_buffers`` (AllGather) is how many
     blocks' shards may sit on the device between their copy and their gather.
+    ``text_encoders`` (e.g. ``["text_encoder_2"]``, a T5) stream through the same slots.
     """
     config = OffloadConfig(
         use_allgather=use_allgather,
@@ -50,6 +52,7 @@ def enable_dlo(
         else int(gpu_memory_budget_gib * 2**30),
         block_paths=tuple(block_paths) if block_paths else None,
         allgather_shard_buffers=allgather_shard_buffers,
+        text_encoders=tuple(text_encoders),
     )
     return DistributedLayerwiseOffloadBackend(config, device).enable(model_or_pipeline)
 

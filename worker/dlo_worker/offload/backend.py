@@ -165,7 +165,7 @@ class DistributedLayerwiseOffloadBackend:
         started = time.perf_counter()
         # Before discovery, which a compiled DiT's wrapper would mislead.
         compiling.check_not_compiled(dit_modules(model_or_pipeline))
-        plan = discover(model_or_pipeline, self.config.block_paths)
+        plan = discover(model_or_pipeline, self.config.block_paths, self.config.text_encoders)
         setup = StreamSetup(self.config, self.device, self.host_weights, self._shards, self._rank)
         setup.check_plan_covers(plan)
         ownership.check_not_taken(plan, self)

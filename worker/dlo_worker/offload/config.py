@@ -91,6 +91,9 @@ class OffloadConfig:
     ``--lora``), counted in the budget like the adapters the blocks already hold."""
     block_paths: Sequence[str] | None = None
     """Attribute paths of the DiT's block lists, overriding discovery."""
+    text_encoders: Sequence[str] = ()
+    """Text encoder components streamed too (``text_encoder_2``: T5-XXL), through the
+    same two slots, their blocks from ``TEXT_ENCODER_BLOCK_LISTS``."""
     allgather_shard_buffers: int = 4
     """Device buffers for this rank's shards (AllGather; each the largest block / group
     size): shards are copied up to this many blocks before their gather, so blocks whose

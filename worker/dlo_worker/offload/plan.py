@@ -39,6 +39,11 @@ BLOCK_LISTS_BY_CLASS: dict[str, tuple[str, ...]] = {
     "WanTransformer3DModel": ("blocks",),
 }
 
+# Text encoders DLO may stream (``text_encoders``): their blocks share the DiTs' slots.
+TEXT_ENCODER_BLOCK_LISTS: dict[str, tuple[str, ...]] = {
+    "T5EncoderModel": ("encoder.block",),
+}
+
 # Submodules inside blocks that the DiT also calls outside the block's forward; they
 # stay resident on the device (DiT and Transformer2DModel condition their output
 # projection on block 0's timestep/class embedder).
@@ -180,10 +185,39 @@ def dit_modules(model_or_pipeline: object) -> list[tuple[str, nn.Module]]:
     return dits
 
 
-def discover(model_or_pipeline: object, block_paths: Sequence[str] | None = None) -> OffloadPlan:
-    """Build the :class:`OffloadPlan` of a pipeline or module."""
-    return OffloadPlan(
-        tuple(
-            _plan_dit(name, module, block_paths) for name, module in dit_modules(model_or_pipeline)
-        )
-    )
+def text_encoder_modules(
+    model_or_pipeline: object, names: Sequence[str]
+) -> list[tuple[str, nn.Module]]:
+    """The pipeline's text encoders ``names``, each a class with registered block lists."""
+    found = []
+    for name in names:
+        module = getattr(model_or_pipeline, name, None)
+        if not isinstance(module, nn.Module):
+            raise DiscoveryError(
+                f"--dlo-stream-text-encoders names {name!r}, which "
+                f"{type(model_or_pipeline).__name__} does not have; name one of its text "
+                "encoder components (e.g. text_encoder_2)"
+            )
+        if type(module).__name__ not in TEXT_ENCODER_BLOCK_LISTS:
+            raise DiscoveryError(
+                f"--dlo-stream-text-encoders names {name!r}, a {type(module).__name__}, whose "
+                "blocks DLO does not know how to stream (it streams "
+                f"{', '.join(sorted(TEXT_ENCODER_BLOCK_LISTS))}); drop it from the list"
+            )
+        found.append((name, module))
+    return found
+
+
+def discover(
+    model_or_pipeline: object,
+    block_paths: Sequence[str] | None = None,
+    text_encoders: Sequence[str] = (),
+) -> OffloadPlan:
+    """Build the :class:`OffloadPlan` of a pipeline or module: its DiTs (``block_paths``
+    overrides their lists), then the ``text_encoders`` streamed through the same slots."""
+    dits = [_plan_dit(name, module, block_paths) for name, module in dit_modules(model_or_pipeline)]
+    encoders = [
+        _plan_dit(name, module, TEXT_ENCODER_BLOCK_LISTS[type(module).__name__])
+        for name, module in text_encoder_modules(model_or_pipeline, text_encoders)
+    ]
+    return OffloadPlan(tuple(dits + encoders))

@@ -46,12 +46,14 @@ from dlo_worker.pipeline import (
     quantization,
     sequence_parallel,
 )
+from dlo_worker.process import device_budget
 from dlo_worker.process.devices import resolve_device, resolve_dtype
 from dlo_worker.process.topology import Topology, init_topology
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
+    from dlo_worker.loader.device_plan import DevicePlan
     from dlo_worker.loader.mapped_checkpoint import MappedCheckpoint
     from dlo_worker.runtime_cache.entry import RuntimeCacheEntry
 
@@ -85,6 +87,8 @@ class Worker:
         self.backend: DistributedLayerwiseOffloadBackend | None = None
         self.compiled: compilation.CompiledBlocks | None = None
         """What ``--compile`` did (``None`` without it)."""
+        self.device_plan: DevicePlan | None = None
+        """Where ``--max-gpu-memory-gib`` placed each component (``None`` without it)."""
         self._pipeline: DiffusionPipeline | None = None
         self._backing: BackingDecision | None = None
         self._previous_sigterm: signal._HANDLER = None
@@ -115,8 +119,15 @@ class Worker:
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.config.offload.dlo_staging == Staging.RING:
             staging_ring.check_built()
+        device_budget.check_text_encoders(self.config)
+        budget_gib = self.config.offload.max_gpu_memory_gib
+        if budget_gib is not None:
+            self.device_plan = device_budget.plan_device(self.config, self.dtype)
+            self.config = device_budget.planned_config(self.config, self.device_plan)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if budget_gib is not None:
+            device_budget.cap_device_memory(self.device, budget_gib)
         self.topology = init_topology(self.config.parallel, self.device)
         loader = DiffusersPipelineLoader(
             load_settings(self.config),
@@ -265,6 +276,7 @@ BACKEND_OPTIONS: tuple[BackendOption, ...] = (
     BackendOption("dlo_allgather_shard_buffers", "allgather_shard_buffers"),
     BackendOption("dlo_gpu_memory_budget_gib", "gpu_memory_budget_bytes", _gib_to_bytes),
     BackendOption("dlo_block_paths", "block_paths"),
+    BackendOption("dlo_stream_text_encoders", "text_encoders"),
     BackendOption("dlo_runtime_cache_pin_limit_gib", "pin_limit_bytes", _gib_to_bytes),
     BackendOption("dlo_staging", "staging", str),
     BackendOption("dlo_staging_chunk_mib", "staging_ring_chunk_bytes", _mib_to_bytes),
