@@ -98,3 +98,97 @@ def test_overwrite_replaces_the_directory_whole(tmp_path: Path, demo_model_dir: 
 def test_leaves_no_staging_directory_behind(tmp_path: Path) -> None:
     write_demo_model(tmp_path / "model")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_the_full_size_flux_has_flux_dev_sizes() -> None:
+    """FLUX.1-dev's parameter counts, built on the meta device (no memory)."""
+    import torch
+
+    from dlo_worker.pipeline.demo_model import FLUX_DEV_SHAPE, build_demo_flux_pipeline
+
+    with torch.device("meta"):
+        pipeline = build_demo_flux_pipeline(0, FLUX_DEV_SHAPE)
+    counts = {
+        name: sum(p.numel() for p in getattr(pipeline, name).parameters())
+        for name in ("transformer", "text_encoder", "text_encoder_2", "vae")
+    }
+    assert round(counts["transformer"] / 1e9, 1) == 11.9
+    assert round(counts["text_encoder_2"] / 1e9, 2) == 4.76
+    assert round(counts["text_encoder"] / 1e6) == 123
+    assert round(counts["vae"] / 1e6, 1) == 83.8
+    assert len(pipeline.transformer.transformer_blocks) == 19
+    assert len(pipeline.transformer.single_transformer_blocks) == 38
+    assert len(pipeline.text_encoder_2.encoder.block) == 24
+
+
+def test_sharded_checkpoints_with_index_files_draw_the_same_image(
+    flux_model_dir: Path, tmp_path: Path
+) -> None:
+    """Every model component split into shards with an index (as published checkpoints
+    are, text encoders included) loads, streams and draws what one file each draws."""
+    from tests.support.generate import digest, run_generate
+
+    sharded = tmp_path / "sharded"
+    written = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlo_worker",
+            "demo-model",
+            str(sharded),
+            "--kind",
+            "flux",
+            "--max-shard-size",
+            "40KB",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert written.returncode == 0, written.stderr
+    for component, name in (
+        ("transformer", "diffusion_pytorch_model"),
+        ("vae", "diffusion_pytorch_model"),
+        ("text_encoder", "model"),
+        ("text_encoder_2", "model"),
+    ):
+        index = json.loads((sharded / component / f"{name}.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) >= 2, component
+        assert not (sharded / component / f"{name}.safetensors").exists()
+    prompt = ["--prompt", "a red cat", "--width", "64", "--height", "64"]
+    images = {}
+    for label, model, flags in (
+        ("one file", flux_model_dir, []),
+        ("sharded", sharded, []),
+        (
+            "sharded, streamed",
+            sharded,
+            [
+                "--enable-distributed-layerwise-offload",
+                "--dlo-stream-text-encoders",
+                "text_encoder_2",
+            ],
+        ),
+    ):
+        out = tmp_path / f"{label}.png"
+        result = run_generate(model, out, 1, *prompt, *flags)
+        assert result.returncode == 0, result.stderr
+        images[label] = digest(out)
+    assert len(set(images.values())) == 1, images
+
+
+def test_sizes_a_kind_does_not_have_and_bad_shard_sizes_are_refused(tmp_path: Path) -> None:
+    for flags, expected in (
+        (["--kind", "dit", "--size", "full"], "--size full exists for --kind flux"),
+        (["--kind", "flux", "--max-shard-size", "5 gigs"], "is not a size"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "dlo_worker", "demo-model", str(tmp_path / "m"), *flags],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr
+        assert not (tmp_path / "m").exists()

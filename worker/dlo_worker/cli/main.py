@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from enum import Enum
 from pathlib import Path
@@ -212,14 +213,25 @@ def _command_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shard_size(text: str) -> str:
+    """A checkpoint shard size as diffusers and transformers read it (``5GB``, ``200KB``)."""
+    if re.fullmatch(r"[1-9][0-9]*(KB|MB|GB|KiB|MiB|GiB)", text) is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; give a number and a unit, e.g. 5GB or 200KB"
+        )
+    return text
+
+
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.pipeline.demo_model import DemoKind, write_demo_model
+    from dlo_worker.pipeline.demo_model import DemoKind, DemoSize, write_demo_model
 
     path = write_demo_model(
         Path(args.directory),
         seed=args.seed,
         overwrite=args.overwrite,
         kind=DemoKind(args.kind),
+        size=DemoSize(args.size),
+        max_shard_size=args.max_shard_size,
     )
     print(f"demo model written to {path}")
     return 0
@@ -540,6 +552,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="dit",
         help="dit: class-conditional DiTPipeline (default); flux: text-to-image FluxPipeline "
         "with CLIP and T5 text encoders.",
+    )
+    demo_parser.add_argument(
+        "--size",
+        choices=["tiny", "full"],
+        default="tiny",
+        help="tiny (default): seconds on a CPU; full (--kind flux): FLUX.1-dev's sizes and "
+        "layout, random bfloat16 weights drawn on the GPU where there is one, checkpoints "
+        "in 5GB shards with index files (about 32 GiB on disk; building holds the whole "
+        "pipeline, about 33 GB, in GPU memory, or host memory without a GPU).",
+    )
+    demo_parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        type=_shard_size,
+        help="Split each checkpoint into shards of at most this size with an index file "
+        "(e.g. 5GB, 200KB), as published checkpoints are (default: one file each, 5GB "
+        "for --size full).",
     )
     demo_parser.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
     demo_parser.add_argument(

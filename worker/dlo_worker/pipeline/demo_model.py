@@ -21,6 +21,7 @@ import os
 import shutil
 import string
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,6 +67,23 @@ class DemoKind(enum.StrEnum):
     FLUX = "flux"
 
 
+class DemoSize(enum.StrEnum):
+    TINY = "tiny"
+    """Seconds on a laptop CPU."""
+    FULL = "full"
+    """The real model's sizes (``flux``: :data:`FLUX_DEV_SHAPE`), built on a GPU where
+    there is one, in bfloat16, sharded like the published checkpoints."""
+
+
+FULL_SHARD_SIZE = "5GB"
+"""Shards of a full-size directory: the DiT in five files, T5 in two, each with its index,
+as the published FLUX.1-dev checkpoint is split."""
+
+
+class DemoSizeError(ValueError, UserFixableError):
+    """A demo kind has no such size."""
+
+
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Seed torch's global generator for module construction, then restore it."""
@@ -78,9 +96,12 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 def _demo_vae(
-    latent_channels: int, block_out_channels: tuple[int, ...], **options: object
+    latent_channels: int,
+    block_out_channels: tuple[int, ...],
+    layers_per_block: int = 1,
+    **options: object,
 ) -> AutoencoderKL:
-    """A small AutoencoderKL with one layer per level (both demos use this layout)."""
+    """An AutoencoderKL with ``layers_per_block`` layers per level (the demos: one)."""
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
@@ -88,7 +109,7 @@ def _demo_vae(
         down_block_types=("DownEncoderBlock2D",) * len(block_out_channels),
         up_block_types=("UpDecoderBlock2D",) * len(block_out_channels),
         block_out_channels=block_out_channels,
-        layers_per_block=1,
+        layers_per_block=layers_per_block,
         norm_num_groups=32,
         **options,
     )
@@ -121,20 +142,71 @@ def build_demo_pipeline(seed: int = 0, shape: DemoModelShape | None = None) -> D
 
 @dataclass(frozen=True)
 class DemoFluxShape:
-    """Sizes of the text-to-image demo; 256x256 images take about a second on a CPU.
+    """Sizes of the text-to-image pipeline; the defaults are the demo (256x256 images in
+    about a second on a CPU), :data:`FLUX_DEV_SHAPE` is FLUX.1-dev's.
 
     The layout is Flux's: double-stream blocks, then single-stream blocks (DLO streams
-    both lists), a 3-level VAE (8-pixel size multiple) and guidance embedding as in
-    FLUX.1-dev, so ``guidance_scale`` takes effect.
+    both lists), CLIP and T5 text encoders, a VAE (8-pixel size multiple) and guidance
+    embedding as in FLUX.1-dev, so ``guidance_scale`` takes effect.
     """
 
     num_double_blocks: int = 2
     num_single_blocks: int = 4
     num_attention_heads: int = 2
     attention_head_dim: int = 16
-    text_hidden_size: int = 32
+    axes_dims_rope: tuple[int, int, int] = (4, 6, 6)
+    clip_vocab_size: int | None = None
+    """Rows of CLIP's token embedding (``None``: the local tokenizer's vocabulary)."""
+    clip_hidden_size: int = 32
+    clip_intermediate_size: int = 64
+    clip_layers: int = 2
+    clip_heads: int = 4
+    t5_vocab_size: int | None = None
+    """Rows of T5's token embedding (``None``: the local tokenizer's vocabulary)."""
+    t5_hidden_size: int = 32
+    t5_ff_size: int = 64
+    t5_head_dim: int = 8
+    t5_layers: int = 2
+    t5_heads: int = 4
+    t5_relative_buckets: int = 8
+    t5_feed_forward: str = "relu"
     latent_channels: int = 4
     vae_block_out_channels: tuple[int, ...] = (32, 64, 64)
+    vae_layers_per_block: int = 1
+    vae_shift_factor: float = 0.0609
+    vae_scaling_factor: float = 1.5035
+
+
+FLUX_DEV_SHAPE = DemoFluxShape(
+    num_double_blocks=19,
+    num_single_blocks=38,
+    num_attention_heads=24,
+    attention_head_dim=128,
+    axes_dims_rope=(16, 56, 56),
+    clip_vocab_size=49408,
+    clip_hidden_size=768,
+    clip_intermediate_size=3072,
+    clip_layers=12,
+    clip_heads=12,
+    t5_vocab_size=32128,
+    t5_hidden_size=4096,
+    t5_ff_size=10240,
+    t5_head_dim=64,
+    t5_layers=24,
+    t5_heads=64,
+    t5_relative_buckets=32,
+    t5_feed_forward="gated-gelu",
+    latent_channels=16,
+    vae_block_out_channels=(128, 256, 512, 512),
+    vae_layers_per_block=2,
+    vae_shift_factor=0.1159,
+    vae_scaling_factor=0.3611,
+)
+"""FLUX.1-dev's sizes (transformer 11.9 B parameters, CLIP-L, T5-XXL encoder 4.8 B, the
+16-channel VAE), as its configs give them: every memory and timing number of the full
+model holds for a directory written with it. Its tokenizers are the demo's local ones
+(their ids fit the real embeddings' rows): prompts tokenize differently from FLUX.1-dev's,
+at the same lengths (77 and 512 tokens)."""
 
 
 def _byte_level_vocabulary() -> dict[str, int]:
@@ -175,17 +247,16 @@ def build_demo_flux_pipeline(seed: int = 0, shape: DemoFluxShape | None = None) 
     shape = shape or DemoFluxShape()
     clip_vocabulary = _byte_level_vocabulary()
     t5_vocabulary = _character_vocabulary()
-    hidden = shape.text_hidden_size
     with _seeded(seed):
         clip = CLIPTextModel(
             CLIPTextConfig(
-                vocab_size=len(clip_vocabulary),
-                hidden_size=hidden,
-                intermediate_size=2 * hidden,
-                num_hidden_layers=2,
-                num_attention_heads=4,
+                vocab_size=shape.clip_vocab_size or len(clip_vocabulary),
+                hidden_size=shape.clip_hidden_size,
+                intermediate_size=shape.clip_intermediate_size,
+                num_hidden_layers=shape.clip_layers,
+                num_attention_heads=shape.clip_heads,
                 max_position_embeddings=77,
-                projection_dim=hidden,
+                projection_dim=shape.clip_hidden_size,
                 bos_token_id=0,
                 eos_token_id=1,
                 pad_token_id=1,
@@ -193,13 +264,14 @@ def build_demo_flux_pipeline(seed: int = 0, shape: DemoFluxShape | None = None) 
         )
         t5 = T5EncoderModel(
             T5Config(
-                vocab_size=len(t5_vocabulary),
-                d_model=hidden,
-                d_ff=2 * hidden,
-                d_kv=8,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
+                vocab_size=shape.t5_vocab_size or len(t5_vocabulary),
+                d_model=shape.t5_hidden_size,
+                d_ff=shape.t5_ff_size,
+                d_kv=shape.t5_head_dim,
+                num_layers=shape.t5_layers,
+                num_heads=shape.t5_heads,
+                relative_attention_num_buckets=shape.t5_relative_buckets,
+                feed_forward_proj=shape.t5_feed_forward,
                 decoder_start_token_id=0,
                 pad_token_id=0,
                 eos_token_id=1,
@@ -212,19 +284,20 @@ def build_demo_flux_pipeline(seed: int = 0, shape: DemoFluxShape | None = None) 
             num_single_layers=shape.num_single_blocks,
             attention_head_dim=shape.attention_head_dim,
             num_attention_heads=shape.num_attention_heads,
-            joint_attention_dim=hidden,
-            pooled_projection_dim=hidden,
+            joint_attention_dim=shape.t5_hidden_size,
+            pooled_projection_dim=shape.clip_hidden_size,
             guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
+            axes_dims_rope=shape.axes_dims_rope,
         )
         # Flux's VAE has no quant convs and shifts and scales its latents.
         vae = _demo_vae(
             shape.latent_channels,
             shape.vae_block_out_channels,
+            layers_per_block=shape.vae_layers_per_block,
             use_quant_conv=False,
             use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
+            shift_factor=shape.vae_shift_factor,
+            scaling_factor=shape.vae_scaling_factor,
         )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     return FluxPipeline(
@@ -263,14 +336,27 @@ def write_demo_model(
     overwrite: bool = False,
     kind: DemoKind = DemoKind.DIT,
     shape: DemoModelShape | DemoFluxShape | None = None,
+    size: DemoSize = DemoSize.TINY,
+    max_shard_size: str | None = None,
 ) -> Path:
     """Write a demo pipeline of ``kind`` to ``target`` as a diffusers directory
     (safetensors weights, tokenizer files for text-to-image); ``shape`` is the kind's
     shape class (:class:`DemoModelShape` or :class:`DemoFluxShape`), default sizes if None.
+    ``size`` full writes the real model's sizes (flux only) in bfloat16, its random weights
+    drawn on the GPU where there is one; ``max_shard_size`` (e.g. ``"5GB"``) splits each
+    checkpoint into shards with an index, as published checkpoints are.
 
     The directory is assembled beside ``target`` and renamed into place, so an
     interrupted run never leaves a half-written model behind.
     """
+    if size == DemoSize.FULL:
+        if kind != DemoKind.FLUX:
+            raise DemoSizeError(
+                f"--size full exists for --kind flux (FLUX.1-dev's sizes); --kind {kind} is "
+                "tiny only"
+            )
+        shape = shape or FLUX_DEV_SHAPE
+        max_shard_size = max_shard_size or FULL_SHARD_SIZE
     target = target.resolve()
     if target.exists() and not target.is_dir():
         raise DemoModelExistsError(f"{target} exists and is not a directory")
@@ -279,10 +365,15 @@ def write_demo_model(
             f"{target} is not empty; pass --overwrite to replace it or choose another directory"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    pipeline = DEMO_BUILDERS[kind](seed, shape)
+    started = time.perf_counter()
+    with _building(size):
+        pipeline = DEMO_BUILDERS[kind](seed, shape)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        pipeline.save_pretrained(str(staging), safe_serialization=True)
+        pipeline.save_pretrained(
+            str(staging), safe_serialization=True, max_shard_size=max_shard_size
+        )
+        del pipeline
         _make_readable(staging)
         if target.exists():
             shutil.rmtree(target)
@@ -292,6 +383,32 @@ def write_demo_model(
         raise
     logger.info(
         "demo model written",
-        extra={"fields": {"path": str(target), "kind": kind.value, "seed": seed}},
+        extra={
+            "fields": {
+                "path": str(target),
+                "kind": kind.value,
+                "size": size.value,
+                "seed": seed,
+                "write_s": round(time.perf_counter() - started, 1),
+            }
+        },
     )
     return target
+
+
+@contextmanager
+def _building(size: DemoSize) -> Iterator[None]:
+    """Where and in which dtype modules are constructed: the tiny demos in float32 on the
+    CPU (the same bytes everywhere); the full size in bfloat16 on the GPU where there is
+    one (drawing 17 B random weights on two CPU cores takes many minutes)."""
+    if size == DemoSize.TINY:
+        yield
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
