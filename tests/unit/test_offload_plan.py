@@ -71,3 +71,34 @@ def test_pipeline_with_two_dits_plans_both() -> None:
 def test_pipeline_without_a_dit_is_rejected() -> None:
     with pytest.raises(DiscoveryError, match="has no DiT"):
         discover(SimpleNamespace(vae=nn.Linear(1, 1)))
+
+
+def test_text_encoders_stream_after_the_dits_with_their_own_block_lists() -> None:
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    t5 = T5EncoderModel(
+        T5Config(vocab_size=16, d_model=8, d_ff=16, d_kv=4, num_layers=3, num_heads=2)
+    )
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=16,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+    )
+    pipeline = SimpleNamespace(
+        transformer=tiny_flux(double_blocks=1, single_blocks=1).model,
+        text_encoder=clip,
+        text_encoder_2=t5,
+    )
+    # The DiT's override does not apply to the text encoder.
+    plan = discover(pipeline, ["transformer_blocks"], text_encoders=["text_encoder_2"])
+    assert [dit.name for dit in plan.dits] == ["transformer", "text_encoder_2"]
+    assert [name for name, _ in plan.dits[1].blocks] == [f"encoder.block.{i}" for i in range(3)]
+    assert discover(pipeline).block_count == 2
+    with pytest.raises(DiscoveryError, match="a CLIPTextModel, whose blocks DLO does not know"):
+        discover(pipeline, text_encoders=["text_encoder"])
+    with pytest.raises(DiscoveryError, match="'text_encoder_3', which SimpleNamespace does not"):
+        discover(pipeline, text_encoders=["text_encoder_3"])
