@@ -9,6 +9,7 @@ finish the request in flight before disabling DLO and destroying the process gro
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,6 +146,13 @@ def test_allgather_engine_serves_resident_bytes_and_drains_on_sigterm(
             assert digest(response.content) == resident_digests[body["seed"]]
         metrics = requests.get(f"{server.url}/metrics", timeout=5).text
         assert 'dlo_requests_total{outcome="ok"} 3.0' in metrics
+        # This rank's calls, split by stage: the same count for each (no text encoder).
+        stage_counts = dict(
+            re.findall(r'dlo_request_stage_seconds_count\{stage="(\w+)"\} ([0-9.]+)', metrics)
+        )
+        assert set(stage_counts) == {"denoising", "decode", "png"}, stage_counts
+        assert len(set(stage_counts.values())) == 1
+        assert float(stage_counts["png"]) >= 1
 
         in_flight: dict[str, requests.Response] = {}
         slow = threading.Thread(

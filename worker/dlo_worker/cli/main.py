@@ -278,6 +278,7 @@ def _command_generate(args: argparse.Namespace) -> int:
         write_png,
     )
     from dlo_worker.engine.request import request_problems
+    from dlo_worker.engine.stages import stage_fields
     from dlo_worker.process.device_budget import device_peak
     from dlo_worker.process.worker import Worker
 
@@ -297,10 +298,12 @@ def _command_generate(args: argparse.Namespace) -> int:
         # Each DP rank draws its own seed; the ranks run the same steps in lockstep.
         rank_request = request.model_copy(update={"seed": request.seed + rank})
         try:
-            images = generate_images(worker.pipeline, rank_request)
+            generated = generate_images(worker.pipeline, rank_request)
         except NonFiniteOutputError as error:
             print(f"dlo-worker generate: error: {error}", file=sys.stderr)
             return EXIT_FAILURE
+        images = generated.images
+        logger.info("request stages", extra={"fields": stage_fields(generated.stage_seconds)})
         backing = worker.backing
         if worker.backend is not None:
             logger.info("dlo stats", extra={"fields": vars(worker.backend.stats())})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ import torch
 from dlo_worker.config import LoraAdapter
 from dlo_worker.engine.images import check_output_path, new_file_mode
 from dlo_worker.engine.request import AdapterChange, GenerationRequest, Guidance, RequestLimits
+from dlo_worker.engine.stages import timed_stages
 from dlo_worker.errors import UserFixableError
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline import lora
@@ -146,8 +148,18 @@ def change_adapters(pipeline: DiffusionPipeline, change: AdapterChange) -> None:
         lora.load_adapter(pipeline, adapter, f"lora_path {change.path}", change.max_rank)
 
 
+@dataclass(frozen=True)
+class Generated:
+    """One pipeline call's images and where its time went."""
+
+    images: list[Image.Image]
+    stage_seconds: dict[str, float]
+    """Seconds of each stage that ran (:mod:`dlo_worker.engine.stages`), also observed in
+    ``dlo_request_stage_seconds``."""
+
+
 @torch.inference_mode()
-def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> list[Image.Image]:
+def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> Generated:
     """Run the denoising loop and decode ``request.num_images`` images.
 
     Raises :class:`NonFiniteOutputError` (counted in ``dlo_nonfinite_outputs_total``) when
@@ -155,7 +167,10 @@ def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> 
     """
     if request.loras is not None:
         lora.select_adapters(pipeline, [(choice.name, choice.scale) for choice in request.loras])
-    images = pipeline(**pipeline_arguments(pipeline, request)).images
+    with timed_stages(pipeline) as stage_seconds:
+        images = pipeline(**pipeline_arguments(pipeline, request)).images
+    for stage, seconds in stage_seconds.items():
+        metrics.REQUEST_STAGE_SECONDS.labels(stage=stage).observe(seconds)
     finite = np.isfinite(images)
     if not finite.all():
         metrics.NONFINITE_OUTPUTS.inc()
@@ -165,7 +180,7 @@ def generate_images(pipeline: DiffusionPipeline, request: GenerationRequest) -> 
             "the model's weights or this request overflow (e.g. a huge guidance_scale); no "
             "image was written"
         )
-    return pipeline.numpy_to_pil(images)
+    return Generated(pipeline.numpy_to_pil(images), stage_seconds)
 
 
 def write_png(image: Image.Image, path: Path, *, make_parents: bool = False) -> Path:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from dlo_worker.engine.generation import change_adapters, generate_images
 from dlo_worker.engine.request import AdapterChange, GenerationRequest, wave_key
+from dlo_worker.engine.stages import stage_fields
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline.lora import LoraSetupError
 
@@ -401,10 +402,14 @@ class Engine:
         discarded = self.lane in wave.discarded
         started = time.monotonic()
         try:
-            pngs = [encode_png(image) for image in generate_images(self.pipeline, request)]
+            generated = generate_images(self.pipeline, request)
+            encoding = time.perf_counter()
+            pngs = [encode_png(image) for image in generated.images]
+            png_seconds = time.perf_counter() - encoding
         except Exception as error:  # a failed request must not take the engine down
             logger.exception("request failed", extra={"fields": {"rank": self.rank}})
             return f"{type(error).__name__}: {error}"
+        metrics.REQUEST_STAGE_SECONDS.labels(stage="png").observe(png_seconds)
         fields: dict[str, object] = {
             "rank": self.rank,
             "lane": self.lane,
@@ -416,6 +421,7 @@ class Engine:
             "seed": request.seed,
             "discarded": discarded,
             "seconds": round(time.monotonic() - started, 3),
+            **stage_fields({**generated.stage_seconds, "png": png_seconds}),
         }
         if request.loras is not None:  # name:scale of each adapter, "-" for none
             choices = (f"{choice.name}:{choice.scale:g}" for choice in request.loras)

@@ -27,6 +27,13 @@ REQUEST_SECONDS = Histogram(
     "Time from intake to the image, queueing included.",
     buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
 )
+REQUEST_STAGE_SECONDS = Histogram(
+    "dlo_request_stage_seconds",
+    "Time of one pipeline call by stage: text_encoding, denoising (first to last DiT "
+    "forward), decode (the VAE), png (encoding the images).",
+    ["stage"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 WAVE_SECONDS = Histogram(
     "dlo_wave_seconds",
     "Time to run one wave across the engine's data-parallel ranks.",
