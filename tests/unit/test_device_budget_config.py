@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dlo_worker.config import OffloadPolicy, TransferMode
 from dlo_worker.loader.device_plan import GIB, DevicePlan, Placement
-from dlo_worker.process.device_budget import planned_config
+from dlo_worker.process.device_budget import planned_config, plans_placement
 from tests.support.configs import DLO, NO_ALLGATHER, config
 
 STREAMED = Placement.STREAMED
@@ -46,3 +46,11 @@ def test_dlo_asked_for_keeps_its_own_options() -> None:
     assert planned.offload.dlo_pack_threads == 3
     assert planned.offload.dlo_stream_text_encoders == ()
     assert planned.offload.dlo_gpu_memory_budget_gib == 9
+
+
+def test_diffusers_offload_modes_place_components_themselves_under_a_budget() -> None:
+    assert plans_placement(config(offload={"max_gpu_memory_gib": 12}))
+    assert plans_placement(config(offload={**NO_ALLGATHER, "max_gpu_memory_gib": 12}))
+    assert not plans_placement(config())
+    for mode in ("enable_cpu_offload", "enable_layerwise_offload"):
+        assert not plans_placement(config(offload={mode: True, "max_gpu_memory_gib": 12}))

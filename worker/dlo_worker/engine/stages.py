@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dlo_worker.observability import metrics
+
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
@@ -88,6 +90,14 @@ def timed_stages(pipeline: DiffusionPipeline) -> Iterator[dict[str, float]]:
     for stage, span in spans.items():
         if span.start is not None and span.end is not None:
             seconds[stage] = span.start.seconds_until(span.end)
+
+
+def record_device_peak() -> None:
+    """Publish the CUDA allocator's peaks (``dlo_device_memory_peak_bytes``) where this
+    process uses a CUDA device."""
+    if torch.cuda.is_initialized():
+        metrics.DEVICE_PEAK_BYTES.labels(kind="allocated").set(torch.cuda.max_memory_allocated())
+        metrics.DEVICE_PEAK_BYTES.labels(kind="reserved").set(torch.cuda.max_memory_reserved())
 
 
 def stage_fields(stage_seconds: dict[str, float]) -> dict[str, float]:

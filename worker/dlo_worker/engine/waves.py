@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from dlo_worker.engine.generation import change_adapters, generate_images
 from dlo_worker.engine.request import AdapterChange, GenerationRequest, wave_key
-from dlo_worker.engine.stages import stage_fields
+from dlo_worker.engine.stages import record_device_peak, stage_fields
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline.lora import LoraSetupError
 
@@ -410,6 +410,7 @@ class Engine:
             logger.exception("request failed", extra={"fields": {"rank": self.rank}})
             return f"{type(error).__name__}: {error}"
         metrics.REQUEST_STAGE_SECONDS.labels(stage="png").observe(png_seconds)
+        record_device_peak()
         fields: dict[str, object] = {
             "rank": self.rank,
             "lane": self.lane,

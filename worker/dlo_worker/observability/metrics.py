@@ -34,6 +34,12 @@ REQUEST_STAGE_SECONDS = Histogram(
     ["stage"],
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+DEVICE_PEAK_BYTES = Gauge(
+    "dlo_device_memory_peak_bytes",
+    "This rank's CUDA allocator peak since start, by kind (allocated: tensors, reserved: "
+    "what the allocator holds); what --max-gpu-memory-gib must hold.",
+    ["kind"],
+)
 WAVE_SECONDS = Histogram(
     "dlo_wave_seconds",
     "Time to run one wave across the engine's data-parallel ranks.",

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from dlo_worker.config import Quantization, WorkerConfig
+from dlo_worker.config import OffloadPolicy, Quantization, WorkerConfig
 from dlo_worker.loader.component_bytes import component_bytes
 from dlo_worker.loader.device_plan import (
     GIB,
@@ -35,6 +35,16 @@ from dlo_worker.offload.plan import TEXT_ENCODER_BLOCK_LISTS
 logger = logging.getLogger(__name__)
 
 TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def plans_placement(config: WorkerConfig) -> bool:
+    """Whether ``--max-gpu-memory-gib`` places the components (pure): it does unless one of
+    diffusers' offload modes was chosen, which places them itself; the budget then only
+    caps the allocator, so the modes are measured at the same budget."""
+    return config.offload.max_gpu_memory_gib is not None and config.effective().offload_policy in (
+        OffloadPolicy.NONE,
+        OffloadPolicy.DLO,
+    )
 
 
 def plan_device(config: WorkerConfig, dtype: torch.dtype) -> DevicePlan:

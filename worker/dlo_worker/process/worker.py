@@ -121,7 +121,7 @@ class Worker:
             staging_ring.check_built()
         device_budget.check_text_encoders(self.config)
         budget_gib = self.config.offload.max_gpu_memory_gib
-        if budget_gib is not None:
+        if device_budget.plans_placement(self.config):
             self.device_plan = device_budget.plan_device(self.config, self.dtype)
             self.config = device_budget.planned_config(self.config, self.device_plan)
         if self.device.type == "cuda":
