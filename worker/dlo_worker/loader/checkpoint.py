@@ -79,8 +79,12 @@ class CheckpointTensor:
     shape: tuple[int, ...]
 
     @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        return self.dtype.itemsize * _numel(self.shape)
+        return self.dtype.itemsize * self.numel
 
 
 @dataclass(frozen=True)

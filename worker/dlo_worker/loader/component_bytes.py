@@ -67,15 +67,13 @@ def component_bytes(
             total += nbytes
             if block is not None:
                 blocks[block] += nbytes
-        ordered = [blocks[key] for path in lists for key in sorted(blocks) if key[0] == path]
-        sizes.append(ComponentBytes(name, total, tuple(ordered)))
+        ordered = sorted(blocks, key=lambda block: (lists.index(block[0]), block[1]))
+        sizes.append(ComponentBytes(name, total, tuple(blocks[block] for block in ordered)))
     return sizes
 
 
 def _runtime_bytes(tensor: CheckpointTensor, dtype: torch.dtype, *, fp8: bool) -> int:
-    numel = 1
-    for extent in tensor.shape:
-        numel *= extent
+    numel = tensor.numel
     if fp8 and len(tensor.shape) == 2 and tensor.key.endswith(".weight"):
         return numel + FP8_SCALE_BYTES
     itemsize = dtype.itemsize if tensor.dtype.is_floating_point else tensor.dtype.itemsize

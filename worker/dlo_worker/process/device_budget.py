@@ -69,7 +69,7 @@ def plan_device(config: WorkerConfig, dtype: torch.dtype) -> DevicePlan:
 def check_text_encoders(config: WorkerConfig) -> None:
     """Refuse, before any weight is read, a ``--dlo-stream-text-encoders`` name that is not
     a text encoder of the model DLO can stream."""
-    if config.model.model is None:
+    if config.model.model is None or not config.offload.dlo_stream_text_encoders:
         return
     index_path = config.model.model / "model_index.json"
     components = listed_components(read_json_object(index_path))
