@@ -35,6 +35,12 @@ from pathlib import Path
 import requests
 
 GIB = 2**30
+
+
+class RowFailedError(Exception):
+    """A row that could not serve (e.g. out of memory at its budget): reported, not fatal."""
+
+
 MODES = {
     "resident": [],
     "budget": [],
@@ -91,9 +97,7 @@ def measure(args: argparse.Namespace, row: str) -> dict:
         while True:
             if server.poll() is not None:
                 log.seek(0)
-                raise SystemExit(
-                    f"{row}: the server exited {server.returncode}: {log.read()[-3000:]}"
-                )
+                raise RowFailedError(f"the server exited {server.returncode}: {log.read()[-1500:]}")
             try:
                 if requests.get(f"{url}/health/ready", timeout=1).status_code == 200:
                     break
@@ -113,8 +117,10 @@ def measure(args: argparse.Namespace, row: str) -> dict:
             )
             elapsed = time.perf_counter() - sent
             if response.status_code != 200:
-                raise SystemExit(
-                    f"{row}: request {index} answered {response.status_code}: {response.text}"
+                log.seek(0)
+                raise RowFailedError(
+                    f"request {index} answered {response.status_code}: {response.text[:500]} "
+                    f"{log.read()[-1500:]}"
                 )
             metrics = requests.get(f"{url}/metrics", timeout=5).text
             after = metric_values(metrics, "dlo_request_stage_seconds_sum")
@@ -133,6 +139,8 @@ def measure(args: argparse.Namespace, row: str) -> dict:
     median = statistics.median(requests_s)
     return {
         "row": row,
+        "cold": args.cold,
+        "worker_flags": args.worker_flags,
         "ready_s": round(ready_s, 2),
         "seconds_per_image": round(median, 3),
         "spread_s": [round(min(requests_s), 3), round(max(requests_s), 3)],
@@ -167,15 +175,21 @@ def main() -> None:
         parser.error("--requests must be at least 2: the first warms up")
     report = []
     for row in args.rows:
-        measured = measure(args, row)
+        try:
+            measured = measure(args, row)
+        except RowFailedError as failed:
+            failure = {"row": row, "worker_flags": args.worker_flags, "failed": str(failed)}
+            print(json.dumps(failure), flush=True)
+            report.append(failure)
+            continue
         budget = row.partition(":")[2]
         if budget and measured["device_peak_reserved_gib"] > float(budget):
             measured["over_budget"] = True
         print(json.dumps(measured), flush=True)
         report.append(measured)
-    resident = next((r for r in report if r["row"] == "resident"), None)
+    resident = next((r for r in report if r["row"] == "resident" and "failed" not in r), None)
     if resident is not None:
-        for measured in report:
+        for measured in (r for r in report if "failed" not in r):
             ratio = measured["seconds_per_image"] / resident["seconds_per_image"]
             print(
                 f"{measured['row']}: {measured['seconds_per_image']} s/image, {ratio:.3f}x resident"
