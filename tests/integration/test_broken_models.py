@@ -61,6 +61,13 @@ def _drop_weights(model: Path) -> Path:
     return model / "transformer"
 
 
+def _variant_only_weights(model: Path) -> Path:
+    """As a download with ``variant="fp16"`` leaves a component."""
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_name("diffusion_pytorch_model.fp16.safetensors"))
+    return model / "transformer"
+
+
 def _truncate_vae(keep: int | None) -> Callable[[Path], Path]:
     def truncate(model: Path) -> Path:
         path = model / "vae" / "diffusion_pytorch_model.safetensors"
@@ -77,6 +84,10 @@ CASES: dict[str, tuple[Callable[[Path], Path], str]] = {
     "one-layer-too-many": (_layers(+1), "config.json describes"),
     "one-layer-too-few": (_layers(-1), "that config.json does not describe"),
     "missing-weights": (_drop_weights, "no weights"),
+    "variant-only-weights": (
+        _variant_only_weights,
+        "only variant weights (diffusion_pytorch_model.fp16.safetensors)",
+    ),
     "truncated-vae-header": (_truncate_vae(1000), "not a readable safetensors file"),
     "truncated-vae-data": (_truncate_vae(None), "the file is truncated"),
 }

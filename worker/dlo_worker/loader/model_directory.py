@@ -121,6 +121,16 @@ def check_diffusers_component(directory: Path) -> None:
 def _check_weights(directory: Path, found: bool, expected: str) -> None:
     """A model's weights are there (``found``), and every safetensors file is whole."""
     if not found:
+        stem = expected.removesuffix(".safetensors")
+        variants = sorted(path.name for path in directory.glob(f"{stem}.*.safetensors*"))
+        if variants:
+            # diffusers' variants ("fp16", "bf16") name files ``<name>.<variant>.safetensors``;
+            # the worker loads the default files, as the loader and the runtime cache key them.
+            raise ModelDirectoryError(
+                f"{directory}: only variant weights ({', '.join(variants)}), no {expected}; "
+                f"the worker loads the default files: download the model without a variant, "
+                f"or rename {variants[0]} to {expected}"
+            )
         raise ModelDirectoryError(
             f"{directory}: no weights ({expected} or a shard index); copy the complete "
             "pipeline directory again"
