@@ -7,13 +7,21 @@ source "$ROOT/scripts/bootstrap.sh" worker
 OUT="$ROOT/out"
 echo "==> writing the demo model to $OUT/demo-model"
 dlo-worker demo-model "$OUT/demo-model" --overwrite
-echo "==> generating an image (CPU, resident)"
+# Class label 20 is "a yellow square on a black background"; every label: python -c 'from
+# dlo_worker.pipeline.drawings import DRAWINGS; print(*enumerate(DRAWINGS), sep="\n")'.
+echo "==> generating class 20, a yellow square on a black background (CPU, resident)"
 dlo-worker generate --model "$OUT/demo-model" --device cpu --steps 25 --seed 0 \
-  --class-label 207 --out "$OUT/demo.png"
+  --class-label 20 --out "$OUT/demo.png"
 echo "==> writing the text-to-image demo (tiny Flux with CLIP and T5) to $OUT/flux-model"
 dlo-worker demo-model "$OUT/flux-model" --kind flux --overwrite
-echo "==> generating an image from a prompt (CPU, DLO streaming the Flux blocks)"
+PROMPT="a lighthouse at dusk"
+echo "==> generating \"$PROMPT\" (CPU, DLO streaming the Flux blocks)"
 dlo-worker generate --model "$OUT/flux-model" --device cpu --steps 8 --seed 0 \
-  --prompt "a lighthouse at dusk" --width 256 --height 256 --out "$OUT/flux.png" \
+  --prompt "$PROMPT" --width 256 --height 256 --out "$OUT/flux.png" \
   --enable-distributed-layerwise-offload
-echo "Done: the images are at $OUT/demo.png and $OUT/flux.png"
+echo "Done:"
+echo "  $OUT/demo.png: a yellow square on a black background (DiT, class label 20)"
+echo "  $OUT/flux.png: \"$PROMPT\" through the text-to-image path; the tiny Flux has random"
+echo "  weights (no trained ones yet), so this image is noise"
+echo "The DiT knows class labels 0-21: a circle (0-10) or a square (11-21) in red, green,"
+echo "blue or yellow on a white, black or blue background."

@@ -140,6 +140,8 @@ def test_sharded_checkpoints_with_index_files_draw_the_same_image(
             "flux",
             "--max-shard-size",
             "40KB",
+            "--weights",
+            "random",  # the one-file fixture's weights
         ],
         capture_output=True,
         text=True,

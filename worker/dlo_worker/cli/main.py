@@ -223,15 +223,20 @@ def _shard_size(text: str) -> str:
 
 
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.pipeline.demo_model import DemoKind, DemoSize, write_demo_model
+    from dlo_worker.pipeline.demo_model import DemoKind, DemoSize, DemoWeights, write_demo_model
 
+    kind, size = DemoKind(args.kind), DemoSize(args.size)
+    # Trained where they exist (the tiny DiT); a seed other than 0 asks for random ones.
+    trainable = kind == DemoKind.DIT and size == DemoSize.TINY and args.seed == 0
+    default_weights = DemoWeights.TRAINED if trainable else DemoWeights.RANDOM
     path = write_demo_model(
         Path(args.directory),
         seed=args.seed,
         overwrite=args.overwrite,
-        kind=DemoKind(args.kind),
-        size=DemoSize(args.size),
+        kind=kind,
+        size=size,
         max_shard_size=args.max_shard_size,
+        weights=DemoWeights(args.weights) if args.weights else default_weights,
     )
     print(f"demo model written to {path}")
     return 0
@@ -573,7 +578,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. 5GB, 200KB), as published checkpoints are (default: one file each, 5GB "
         "for --size full).",
     )
-    demo_parser.add_argument("--seed", type=int, default=0, help="Weight seed (default: 0).")
+    demo_parser.add_argument(
+        "--weights",
+        choices=["trained", "random"],
+        default=None,
+        help="trained (the default for the tiny --kind dit): weights trained to draw a circle "
+        "or a square in red, green, blue or yellow on a white, black or blue background, one "
+        "per class label 0-21; random: drawn from --seed (the default otherwise; the tiny "
+        "Flux has no trained weights yet).",
+    )
+    demo_parser.add_argument(
+        "--seed", type=int, default=0, help="Seed of random weights (default: 0)."
+    )
     demo_parser.add_argument(
         "--overwrite", action="store_true", help="Replace the directory if it is not empty."
     )

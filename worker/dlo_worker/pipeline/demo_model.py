@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from diffusers import (
@@ -34,6 +35,7 @@ from diffusers import (
     DiffusionPipeline,
     DiTPipeline,
     DiTTransformer2DModel,
+    DPMSolverMultistepScheduler,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -84,6 +86,18 @@ class DemoSizeError(ValueError, UserFixableError):
     """A demo kind has no such size."""
 
 
+class DemoWeights(enum.StrEnum):
+    RANDOM = "random"
+    """Drawn from the seed: what the bitwise tests use (any seed, shape or size)."""
+    TRAINED = "trained"
+    """The tiny DiT demo trained to draw :mod:`dlo_worker.pipeline.drawings`' pictures
+    (the default shape, seed 0; the tiny Flux has no trained weights yet)."""
+
+
+class DemoWeightsError(ValueError, UserFixableError):
+    """Trained weights asked for a demo they were not trained for."""
+
+
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Seed torch's global generator for module construction, then restore it."""
@@ -93,6 +107,21 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
     finally:
         torch.random.set_rng_state(generator_state)
+
+
+TRAINED_WEIGHTS = Path(__file__).parent / "demo_weights"
+"""The trained DiT demo's weights (``scripts/train_demo_weights.py``): ``decoder`` (its VAE
+decoder) and ``dit`` (its transformer), float16."""
+LATENT_CELL = 4
+"""Pixels per latent cell along each side in the demos' VAEs (three levels)."""
+
+
+def latent_of(pictures: torch.Tensor) -> torch.Tensor:
+    """The trained DiT demo's latent of ``pictures`` (N, 3, H, W in [0, 1]): each 4x4 cell's
+    mean colour scaled to [-1, 1], and a fourth channel of zeros (fixed, not learnt; see
+    ``scripts/train_demo_weights.py``)."""
+    means = torch.nn.functional.avg_pool2d(pictures * 2 - 1, LATENT_CELL)
+    return torch.cat([means, torch.zeros_like(means[:, :1])], dim=1)
 
 
 def _demo_vae(
@@ -338,13 +367,15 @@ def write_demo_model(
     shape: DemoModelShape | DemoFluxShape | None = None,
     size: DemoSize = DemoSize.TINY,
     max_shard_size: str | None = None,
+    weights: DemoWeights = DemoWeights.RANDOM,
 ) -> Path:
     """Write a demo pipeline of ``kind`` to ``target`` as a diffusers directory
     (safetensors weights, tokenizer files for text-to-image); ``shape`` is the kind's
     shape class (:class:`DemoModelShape` or :class:`DemoFluxShape`), default sizes if None.
     ``size`` full writes the real model's sizes (flux only) in bfloat16, its random weights
     drawn on the GPU where there is one; ``max_shard_size`` (e.g. ``"5GB"``) splits each
-    checkpoint into shards with an index, as published checkpoints are.
+    checkpoint into shards with an index, as published checkpoints are. ``weights`` trained
+    loads the tiny DiT's trained transformer and VAE decoder (:data:`TRAINED_WEIGHTS`).
 
     The directory is assembled beside ``target`` and renamed into place, so an
     interrupted run never leaves a half-written model behind.
@@ -357,6 +388,13 @@ def write_demo_model(
             )
         shape = shape or FLUX_DEV_SHAPE
         max_shard_size = max_shard_size or FULL_SHARD_SIZE
+    if weights == DemoWeights.TRAINED and (
+        kind != DemoKind.DIT or size != DemoSize.TINY or shape or seed
+    ):
+        raise DemoWeightsError(
+            "--weights trained exists for the tiny --kind dit demo with its default shape and "
+            "seed 0; add --weights random"
+        )
     target = target.resolve()
     if target.exists() and not target.is_dir():
         raise DemoModelExistsError(f"{target} exists and is not a directory")
@@ -368,6 +406,8 @@ def write_demo_model(
     started = time.perf_counter()
     with _building(size):
         pipeline = DEMO_BUILDERS[kind](seed, shape)
+    if weights == DemoWeights.TRAINED:
+        _load_trained(cast(DiTPipeline, pipeline))
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         pipeline.save_pretrained(
@@ -389,11 +429,45 @@ def write_demo_model(
                 "kind": kind.value,
                 "size": size.value,
                 "seed": seed,
+                "weights": weights.value,
                 "write_s": round(time.perf_counter() - started, 1),
             }
         },
     )
     return target
+
+
+def _load_trained(pipeline: DiTPipeline) -> None:
+    """Put the trained weights into the seed-0 tiny DiT ``pipeline``. Their latent is fixed
+    (:func:`latent_of`), so the VAE decodes it unscaled and without its post-quant
+    convolution; the VAE's encoder stays random (the demo never encodes).
+
+    The transformer predicts the clean latent, not the noise: one fixed picture per class
+    label is what it learns best. DPM-Solver++ steps from that prediction clipped to the
+    latent's range ([-1, 1]), so classifier-free guidance at the default scale cannot push
+    colours off the palette; DDIM clips it too, but then steps with the noise of the
+    unclipped prediction, and a guided trajectory runs away."""
+    from safetensors.torch import load_file
+
+    def trained(name: str) -> dict[str, torch.Tensor]:
+        path = TRAINED_WEIGHTS / f"{name}.safetensors"
+        return {key: value.float() for key, value in load_file(path).items()}
+
+    vae = pipeline.vae
+    vae.load_state_dict({**vae.state_dict(), **trained("decoder")})
+    with torch.no_grad():
+        convolution = vae.post_quant_conv
+        convolution.weight.copy_(torch.eye(convolution.in_channels).view_as(convolution.weight))
+        convolution.bias.zero_()
+    vae.register_to_config(scaling_factor=1.0)
+    pipeline.transformer.load_state_dict(trained("dit"))
+    pipeline.scheduler = DPMSolverMultistepScheduler(
+        num_train_timesteps=1000,
+        beta_schedule="linear",
+        prediction_type="sample",
+        thresholding=True,
+        sample_max_value=1.0,  # a threshold of at most 1: plain clipping to [-1, 1]
+    )
 
 
 @contextmanager
