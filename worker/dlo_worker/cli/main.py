@@ -223,12 +223,18 @@ def _shard_size(text: str) -> str:
 
 
 def _command_demo_model(args: argparse.Namespace) -> int:
-    from dlo_worker.pipeline.demo_model import DemoKind, DemoSize, DemoWeights, write_demo_model
+    from dlo_worker.pipeline.demo_model import (
+        DemoKind,
+        DemoSize,
+        DemoWeights,
+        has_trained_weights,
+        write_demo_model,
+    )
 
     kind, size = DemoKind(args.kind), DemoSize(args.size)
     # Trained where they exist (the tiny DiT); a seed other than 0 asks for random ones.
-    trainable = kind == DemoKind.DIT and size == DemoSize.TINY and args.seed == 0
-    default_weights = DemoWeights.TRAINED if trainable else DemoWeights.RANDOM
+    trained = has_trained_weights(kind, size, args.seed)
+    default_weights = DemoWeights.TRAINED if trained else DemoWeights.RANDOM
     path = write_demo_model(
         Path(args.directory),
         seed=args.seed,

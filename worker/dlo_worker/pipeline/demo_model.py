@@ -40,6 +40,7 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
+from safetensors.torch import load_file
 
 from dlo_worker.errors import UserFixableError
 
@@ -358,6 +359,17 @@ def _make_readable(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+def has_trained_weights(
+    kind: DemoKind,
+    size: DemoSize,
+    seed: int,
+    shape: DemoModelShape | DemoFluxShape | None = None,
+) -> bool:
+    """Whether :data:`TRAINED_WEIGHTS` fit this demo: the tiny DiT with its default shape
+    and seed 0 (the seed names random weights otherwise)."""
+    return kind == DemoKind.DIT and size == DemoSize.TINY and shape is None and seed == 0
+
+
 def write_demo_model(
     target: Path,
     *,
@@ -388,9 +400,7 @@ def write_demo_model(
             )
         shape = shape or FLUX_DEV_SHAPE
         max_shard_size = max_shard_size or FULL_SHARD_SIZE
-    if weights == DemoWeights.TRAINED and (
-        kind != DemoKind.DIT or size != DemoSize.TINY or shape or seed
-    ):
+    if weights == DemoWeights.TRAINED and not has_trained_weights(kind, size, seed, shape):
         raise DemoWeightsError(
             "--weights trained exists for the tiny --kind dit demo with its default shape and "
             "seed 0; add --weights random"
@@ -447,7 +457,6 @@ def _load_trained(pipeline: DiTPipeline) -> None:
     latent's range ([-1, 1]), so classifier-free guidance at the default scale cannot push
     colours off the palette; DDIM clips it too, but then steps with the noise of the
     unclipped prediction, and a guided trajectory runs away."""
-    from safetensors.torch import load_file
 
     def trained(name: str) -> dict[str, torch.Tensor]:
         path = TRAINED_WEIGHTS / f"{name}.safetensors"
