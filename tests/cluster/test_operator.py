@@ -350,7 +350,14 @@ def test_a_spec_change_replaces_engines_one_at_a_time(api_client, operator, name
     # whole roll while every request succeeded.
     assert min(status.get("readyReplicas", 0) for status in statuses) >= 2
     assert {_condition(status, "Available") for status in statuses} == {"True"}
-    assert max(status.get("updatedReplicas", 0) for status in statuses) == 3
+    # The status follows the Pods by one reconcile: it reports all three updated once the
+    # operator has seen the last Pod ready, and keeps Available throughout.
+    eventually(
+        lambda: _status(api_client, namespace, "roll").get("updatedReplicas") == 3,
+        30,
+        "the status reports three updated engines",
+    )
+    assert _condition(_status(api_client, namespace, "roll"), "Available") == "True"
 
 
 def _evict(api_client, namespace: str, name: str) -> int:
