@@ -14,14 +14,14 @@ dlo-worker generate --model "$OUT/demo-model" --device cpu --steps 25 --seed 0 \
   --class-label 20 --out "$OUT/demo.png"
 echo "==> writing the text-to-image demo (tiny Flux with CLIP and T5) to $OUT/flux-model"
 dlo-worker demo-model "$OUT/flux-model" --kind flux --overwrite
-PROMPT="a lighthouse at dusk"
+PROMPT="a red circle on a blue background"
 echo "==> generating \"$PROMPT\" (CPU, DLO streaming the Flux blocks)"
 dlo-worker generate --model "$OUT/flux-model" --device cpu --steps 8 --seed 0 \
-  --prompt "$PROMPT" --width 256 --height 256 --out "$OUT/flux.png" \
+  --prompt "$PROMPT" --width 128 --height 128 --out "$OUT/flux.png" \
   --enable-distributed-layerwise-offload
 echo "Done:"
 echo "  $OUT/demo.png: a yellow square on a black background (DiT, class label 20)"
-echo "  $OUT/flux.png: \"$PROMPT\" through the text-to-image path; the tiny Flux has random"
-echo "  weights (no trained ones yet), so this image is noise"
-echo "The DiT knows class labels 0-21: a circle (0-10) or a square (11-21) in red, green,"
-echo "blue or yellow on a white, black or blue background."
+echo "  $OUT/flux.png: $PROMPT (Flux, from the prompt)"
+echo "Both demos draw a circle or a square in red, green, blue or yellow on a white, black or"
+echo "blue background: the DiT by class label 0-21, the Flux (at 128x128) from the words, e.g."
+echo "\"a green square on a white background\"."

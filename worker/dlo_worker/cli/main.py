@@ -232,8 +232,8 @@ def _command_demo_model(args: argparse.Namespace) -> int:
     )
 
     kind, size = DemoKind(args.kind), DemoSize(args.size)
-    # Trained where they exist (the tiny DiT); a seed other than 0 asks for random ones.
-    trained = has_trained_weights(kind, size, args.seed)
+    # Trained where they exist (the tiny demos); a seed other than 0 asks for random ones.
+    trained = has_trained_weights(size, args.seed)
     default_weights = DemoWeights.TRAINED if trained else DemoWeights.RANDOM
     path = write_demo_model(
         Path(args.directory),
@@ -588,10 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--weights",
         choices=["trained", "random"],
         default=None,
-        help="trained (the default for the tiny --kind dit): weights trained to draw a circle "
-        "or a square in red, green, blue or yellow on a white, black or blue background, one "
-        "per class label 0-21; random: drawn from --seed (the default otherwise; the tiny "
-        "Flux has no trained weights yet).",
+        help="trained (the default for the tiny demos with seed 0): weights trained to draw "
+        "a circle or a square in red, green, blue or yellow on a white, black or blue "
+        "background, the DiT one per class label 0-21, the Flux at 128x128 one per prompt such "
+        "as 'a red circle on a white background'; random: drawn from --seed (the default "
+        "otherwise).",
     )
     demo_parser.add_argument(
         "--seed", type=int, default=0, help="Seed of random weights (default: 0)."

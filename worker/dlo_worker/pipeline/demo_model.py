@@ -91,8 +91,8 @@ class DemoWeights(enum.StrEnum):
     RANDOM = "random"
     """Drawn from the seed: what the bitwise tests use (any seed, shape or size)."""
     TRAINED = "trained"
-    """The tiny DiT demo trained to draw :mod:`dlo_worker.pipeline.drawings`' pictures
-    (the default shape, seed 0; the tiny Flux has no trained weights yet)."""
+    """The tiny demos trained to draw :mod:`dlo_worker.pipeline.drawings`' pictures (the
+    default shapes, seed 0): the DiT one per class label, the Flux one per description."""
 
 
 class DemoWeightsError(ValueError, UserFixableError):
@@ -111,8 +111,9 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 TRAINED_WEIGHTS = Path(__file__).parent / "demo_weights"
-"""The trained DiT demo's weights (``scripts/train_demo_weights.py``): ``decoder`` (its VAE
-decoder) and ``dit`` (its transformer), float16."""
+"""The trained demos' weights (``scripts/train_demo_weights.py``), float16: ``decoder`` (the
+VAE decoder both demos share), ``dit`` (the DiT's transformer) and ``flux`` (the tiny Flux's
+transformer and CLIP text encoder; its T5 stays the seed-0 random one)."""
 LATENT_CELL = 4
 """Pixels per latent cell along each side in the demos' VAEs (three levels)."""
 
@@ -360,14 +361,13 @@ def _make_readable(root: Path) -> None:
 
 
 def has_trained_weights(
-    kind: DemoKind,
     size: DemoSize,
     seed: int,
     shape: DemoModelShape | DemoFluxShape | None = None,
 ) -> bool:
-    """Whether :data:`TRAINED_WEIGHTS` fit this demo: the tiny DiT with its default shape
-    and seed 0 (the seed names random weights otherwise)."""
-    return kind == DemoKind.DIT and size == DemoSize.TINY and shape is None and seed == 0
+    """Whether :data:`TRAINED_WEIGHTS` fit this demo: either tiny demo with its default
+    shape and seed 0 (the seed names random weights otherwise)."""
+    return size == DemoSize.TINY and shape is None and seed == 0
 
 
 def write_demo_model(
@@ -387,7 +387,7 @@ def write_demo_model(
     ``size`` full writes the real model's sizes (flux only) in bfloat16, its random weights
     drawn on the GPU where there is one; ``max_shard_size`` (e.g. ``"5GB"``) splits each
     checkpoint into shards with an index, as published checkpoints are. ``weights`` trained
-    loads the tiny DiT's trained transformer and VAE decoder (:data:`TRAINED_WEIGHTS`).
+    loads the tiny demo's trained weights (:data:`TRAINED_WEIGHTS`).
 
     The directory is assembled beside ``target`` and renamed into place, so an
     interrupted run never leaves a half-written model behind.
@@ -400,9 +400,9 @@ def write_demo_model(
             )
         shape = shape or FLUX_DEV_SHAPE
         max_shard_size = max_shard_size or FULL_SHARD_SIZE
-    if weights == DemoWeights.TRAINED and not has_trained_weights(kind, size, seed, shape):
+    if weights == DemoWeights.TRAINED and not has_trained_weights(size, seed, shape):
         raise DemoWeightsError(
-            "--weights trained exists for the tiny --kind dit demo with its default shape and "
+            "--weights trained exists for the tiny demos with their default shapes and "
             "seed 0; add --weights random"
         )
     target = target.resolve()
@@ -417,7 +417,7 @@ def write_demo_model(
     with _building(size):
         pipeline = DEMO_BUILDERS[kind](seed, shape)
     if weights == DemoWeights.TRAINED:
-        _load_trained(cast(DiTPipeline, pipeline))
+        _LOAD_TRAINED[kind](pipeline)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         pipeline.save_pretrained(
@@ -447,36 +447,66 @@ def write_demo_model(
     return target
 
 
-def _load_trained(pipeline: DiTPipeline) -> None:
-    """Put the trained weights into the seed-0 tiny DiT ``pipeline``. Their latent is fixed
-    (:func:`latent_of`), so the VAE decodes it unscaled and without its post-quant
-    convolution; the VAE's encoder stays random (the demo never encodes).
+def _trained(name: str) -> dict[str, torch.Tensor]:
+    """One file of :data:`TRAINED_WEIGHTS`, in float32 as the demos are built."""
+    path = TRAINED_WEIGHTS / f"{name}.safetensors"
+    return {key: value.float() for key, value in load_file(path).items()}
+
+
+def _load_trained_decoder(vae: AutoencoderKL) -> None:
+    """The trained decoder into a demo VAE. Its latent is fixed (:func:`latent_of`), so the
+    VAE decodes it unscaled and unshifted; the encoder stays random (the demos never
+    encode)."""
+    vae.load_state_dict({**vae.state_dict(), **_trained("decoder")})
+    vae.register_to_config(scaling_factor=1.0)
+    if vae.config.shift_factor is not None:  # Flux's VAE shifts its latents
+        vae.register_to_config(shift_factor=0.0)
+
+
+def _load_trained_dit(pipeline: DiffusionPipeline) -> None:
+    """Put the trained weights into the seed-0 tiny DiT ``pipeline``, whose VAE decodes
+    without its post-quant convolution (set to the identity).
 
     The transformer predicts the clean latent, not the noise: one fixed picture per class
     label is what it learns best. DPM-Solver++ steps from that prediction clipped to the
     latent's range ([-1, 1]), so classifier-free guidance at the default scale cannot push
     colours off the palette; DDIM clips it too, but then steps with the noise of the
     unclipped prediction, and a guided trajectory runs away."""
-
-    def trained(name: str) -> dict[str, torch.Tensor]:
-        path = TRAINED_WEIGHTS / f"{name}.safetensors"
-        return {key: value.float() for key, value in load_file(path).items()}
-
-    vae = pipeline.vae
-    vae.load_state_dict({**vae.state_dict(), **trained("decoder")})
+    dit = cast(DiTPipeline, pipeline)
+    _load_trained_decoder(dit.vae)
     with torch.no_grad():
-        convolution = vae.post_quant_conv
+        convolution = dit.vae.post_quant_conv
         convolution.weight.copy_(torch.eye(convolution.in_channels).view_as(convolution.weight))
         convolution.bias.zero_()
-    vae.register_to_config(scaling_factor=1.0)
-    pipeline.transformer.load_state_dict(trained("dit"))
-    pipeline.scheduler = DPMSolverMultistepScheduler(
+    dit.transformer.load_state_dict(_trained("dit"))
+    dit.scheduler = DPMSolverMultistepScheduler(
         num_train_timesteps=1000,
         beta_schedule="linear",
         prediction_type="sample",
         thresholding=True,
         sample_max_value=1.0,  # a threshold of at most 1: plain clipping to [-1, 1]
     )
+
+
+def _load_trained_flux(pipeline: DiffusionPipeline) -> None:
+    """Put the trained weights into the seed-0 tiny Flux ``pipeline``: its CLIP text
+    encoder, trained to tell the drawings' descriptions apart, and its transformer, trained
+    on them for the pipeline's own sampler (flow matching's velocity); T5 stays as the seed
+    built it. The VAE decodes the fixed latent unshifted and unscaled."""
+    flux = cast(FluxPipeline, pipeline)
+    _load_trained_decoder(flux.vae)
+    weights = _trained("flux")
+    for part in ("transformer", "text_encoder"):
+        prefix = f"{part}."
+        getattr(flux, part).load_state_dict(
+            {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+        )
+
+
+_LOAD_TRAINED: dict[DemoKind, Callable[[DiffusionPipeline], None]] = {
+    DemoKind.DIT: _load_trained_dit,
+    DemoKind.FLUX: _load_trained_flux,
+}
 
 
 @contextmanager

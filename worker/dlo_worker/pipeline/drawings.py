@@ -1,11 +1,12 @@
-"""What the trained DiT demo draws: a coloured circle or square, centred, on a plain
+"""What the trained demos draw: a coloured circle or square, centred, on a plain
 background (pure; torch only, no I/O).
 
-The demo's weights (``demo_weights/``, written by ``scripts/train_demo_weights.py``) are
-trained on exactly these pictures, one per class label, so a newcomer sees that a request
-was understood, and a test can check it by measurable properties (:func:`recognise`):
-the colours of the centre and of the corners, and which shape's outline the pixels of the
-centre's colour match best.
+The demos' weights (``demo_weights/``, written by ``scripts/train_demo_weights.py``) are
+trained on exactly these pictures, the DiT's one per class label, the Flux's one per
+:attr:`Drawing.description`, so a newcomer sees that a request was understood, and a
+test can check it by measurable properties (:func:`recognise`): the colours of the centre
+and of the corners, and which shape's outline the pixels of the centre's colour match
+best.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ DRAWINGS: tuple[Drawing, ...] = tuple(
     for shape, colour, background in itertools.product(SHAPES, COLOURS, BACKGROUNDS)
     if colour != background
 )
-"""Every drawing the demos were trained on; a drawing's index is its DiT class label."""
+"""Every drawing the demos were trained on; a drawing's index is its DiT class label, its
+description the Flux's prompt."""
 
 
 def _inside(shape: str, size: int) -> torch.Tensor:
