@@ -19,7 +19,7 @@ seed-0 VAE (the same architecture as the DiT's).
 
     OMP_NUM_THREADS=1 python scripts/train_demo_weights.py --parts decoder   # 3 minutes
     OMP_NUM_THREADS=2 python scripts/train_demo_weights.py --parts dit       # 16 minutes
-    OMP_NUM_THREADS=2 python scripts/train_demo_weights.py --parts flux      # 15 minutes
+    OMP_NUM_THREADS=2 python scripts/train_demo_weights.py --parts flux      # 18 minutes
 
 Deterministic for a given torch build and thread count; the weights in the repository
 were written by these commands on two cores (CPU; the decoder with torch 2.11, the
@@ -263,7 +263,7 @@ def main() -> None:
     )
     parser.add_argument("--decoder-steps", type=int, default=400)
     parser.add_argument("--dit-steps", type=int, default=2000)
-    parser.add_argument("--flux-steps", type=int, default=2000)
+    parser.add_argument("--flux-steps", type=int, default=2500)
     parser.add_argument("--out", type=Path, default=TRAINED_WEIGHTS)
     args = parser.parse_args()
     torch.manual_seed(0)
