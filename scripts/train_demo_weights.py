@@ -144,27 +144,19 @@ def train_dit(steps: int, generator: torch.Generator) -> dict[str, torch.Tensor]
 
 def flux_prompt_inputs(
     pipeline: FluxPipeline, prompts: list[str]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CLIP's token ids and T5's (frozen) hidden states for ``prompts``, as
-    ``FluxPipeline.encode_prompt`` makes them (77 and 512 tokens, padded)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CLIP's token ids (its pooled vector is trained), and T5's frozen hidden states with
+    their position ids as ``FluxPipeline.encode_prompt`` makes them for sampling."""
     clip_ids = pipeline.tokenizer(
-        prompts, padding="max_length", max_length=77, truncation=True, return_tensors="pt"
-    ).input_ids
-    t5_ids = pipeline.tokenizer_2(
-        prompts, padding="max_length", max_length=512, truncation=True, return_tensors="pt"
+        prompts,
+        padding="max_length",
+        max_length=pipeline.tokenizer_max_length,
+        truncation=True,
+        return_tensors="pt",
     ).input_ids
     with torch.no_grad():
-        t5_states = pipeline.text_encoder_2(t5_ids)[0]
-    return clip_ids, t5_states
-
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """Flux's token layout: each 2x2 latent patch is one token of 4x the channels."""
-    batch, channels, height, width = latents.shape
-    patches = latents.view(batch, channels, height // 2, 2, width // 2, 2)
-    return patches.permute(0, 2, 4, 1, 3, 5).reshape(
-        batch, (height // 2) * (width // 2), channels * 4
-    )
+        t5_states, _, text_ids = pipeline.encode_prompt(prompts, prompt_2=None)
+    return clip_ids, t5_states, text_ids
 
 
 def train_flux_text_encoder(clip: CLIPTextModel, clip_ids: torch.Tensor) -> None:
@@ -200,17 +192,17 @@ def train_flux(steps: int, generator: torch.Generator) -> dict[str, torch.Tensor
     transformer on the 22 drawings' descriptions with both text encoders frozen (T5 stays
     the seed-0 random encoder; its per-token states differ by prompt too)."""
     pipeline = build_demo_flux_pipeline(0)
-    clip_ids, t5_states = flux_prompt_inputs(pipeline, [d.description for d in DRAWINGS])
+    clip_ids, t5_states, text_ids = flux_prompt_inputs(pipeline, [d.description for d in DRAWINGS])
     clip = pipeline.text_encoder.train()
     train_flux_text_encoder(clip, clip_ids)
     with torch.no_grad():
         pooled = clip.eval()(clip_ids).pooler_output
     transformer = pipeline.transformer.train()
     training = AveragedTraining(transformer, steps)
-    targets = pack(latent_of(torch.stack([render(d, FLUX_IMAGE) for d in DRAWINGS])))
     side = FLUX_IMAGE // LATENT_CELL // 2
+    latents = latent_of(torch.stack([render(d, FLUX_IMAGE) for d in DRAWINGS]))
+    targets = FluxPipeline._pack_latents(latents, *latents.shape)
     image_ids = pipeline._prepare_latent_image_ids(1, side, side, "cpu", torch.float32)
-    text_ids = torch.zeros(t5_states.shape[1], 3)
     # The sigma shift FluxPipeline applies at this image size (dynamic shifting).
     shift = math.exp(calculate_shift(side * side))
     for step in range(steps):
