@@ -12,7 +12,12 @@ from torch import nn
 
 from dlo_worker.offload import OffloadConfig
 from dlo_worker.offload.block import MappedPiece, StreamedBlock
-from dlo_worker.offload.config import RING_CHUNK_BOUNDS, last_level_cache_bytes, ring_chunk_bytes
+from dlo_worker.offload.config import (
+    RING_CACHE_SHARE,
+    RING_CHUNK_BOUNDS,
+    last_level_cache_bytes,
+    ring_chunk_bytes,
+)
 from dlo_worker.offload.feeds import ring as ring_feed
 from dlo_worker.offload.feeds.ring import StagingRing, StagingRingUnavailableError
 from dlo_worker.offload.layout import layout_of, slot_capacity
@@ -137,11 +142,13 @@ def test_an_unknown_staging_is_refused() -> None:
 @pytest.mark.parametrize(
     ("cache_mib", "threads", "chunk_mib"),
     [
-        # The 16-CPU H200 host (300 MiB L3): 8 packers, 16 chunks in 75 MiB.
+        # The 16-CPU H200 host (300 MiB L3): 12 packers, 24 chunks in 96 MiB.
+        (300, 12, 4),
         (300, 8, 4),
         (300, 4, 8),
-        (105, 8, 1),
-        (105, 2, 4),
+        (105, 12, 1),
+        (105, 8, 2),
+        (105, 2, 8),
         (32, 1, 4),
         # Never below 1 MiB, never above 8 MiB.
         (8, 8, 1),
@@ -155,7 +162,7 @@ def test_the_chunk_size_follows_the_last_level_cache(cache_mib, threads, chunk_m
     chunk = ring_chunk_bytes(cache, threads, 2)
     assert chunk == chunk_mib * 2**20
     if cache is not None and chunk > RING_CHUNK_BOUNDS[0]:
-        assert 2 * threads * chunk <= cache // 4
+        assert 2 * threads * chunk <= cache // RING_CACHE_SHARE
 
 
 def test_the_configured_chunk_size_wins_over_the_machines() -> None:

@@ -302,13 +302,13 @@ class OffloadOptions(Options):
     dlo_staging_chunk_mib: Annotated[int, Field(ge=1, le=256)] | None = Field(
         default=None,
         description="Chunk size (MiB) of the staging ring; default: from the CPU's last-level "
-        "cache (the ring, two chunks per pack thread, takes at most a quarter of it; 1-8 MiB).",
+        "cache (the ring, two chunks per pack thread, takes at most a third of it; 1-8 MiB).",
     )
     dlo_pack_threads: Annotated[int, Field(ge=1, le=64)] | None = Field(
         default=None,
         description="Host threads that pack mapped DiT blocks (the staging ring's packers, "
         "block-buffer packs, AllGather shards read from a mapping); default: this process's "
-        "share of the CPUs it may run on (CPUs / ranks on the node), at most 8.",
+        "share of the CPUs it may run on (CPUs / ranks on the node), at most 12.",
     )
 
     dlo_block_paths: tuple[str, ...] | None = Field(

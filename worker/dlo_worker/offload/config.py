@@ -15,10 +15,15 @@ from typing import Literal
 
 import torch.distributed as dist
 
-MAX_PACK_THREADS = 8
-RING_CACHE_SHARE = 4
+MAX_PACK_THREADS = 12
+"""Packers per process at most. The ring's packers must outpace the copy engine with a
+margin: 8 pack about 55-64 GB/s on the 16-CPU H200 host, barely above its 52 GB/s copies,
+so a host slowdown of a few percent made the step pack-bound (runs at 1.29-1.6x private
+pinned); 12 pack 77-95 GB/s (docs/benchmarks.md)."""
+RING_CACHE_SHARE = 3
 """The staging ring takes at most 1/RING_CACHE_SHARE of the CPU's last-level cache: the
-packers' reads of the mapping and the other threads' data share it with the ring."""
+packers' reads of the mapping and the other threads' data share it with the ring (a
+96 MiB ring ran as fast as a 64 MiB one on a 300 MiB L3; a 256 MiB one was slower)."""
 RING_CHUNK_BOUNDS = (2**20, 8 * 2**20)
 """Below 1 MiB a chunk's copy costs more to order than to run; above 8 MiB the ring no
 longer fits the cache of the machines measured (docs/benchmarks.md)."""
@@ -27,7 +32,8 @@ StagingChoice = Literal["auto", "ring", "buffers"]
 
 
 def default_pack_threads() -> int:
-    """This process's share of the CPUs it may run on (ranks of a node split them), up to 8.
+    """This process's share of the CPUs it may run on (ranks of a node split them), up to
+    :data:`MAX_PACK_THREADS`.
 
     Packing is memory-bound: beyond a few threads per process it only competes with
     the other ranks and with the device copies for memory bandwidth.
@@ -41,7 +47,7 @@ def ring_chunk_bytes(
     last_level_cache_bytes: int | None, pack_threads: int, chunks_per_thread: int
 ) -> int:
     """The staging ring's chunk size for a machine: the largest power of two whose ring
-    (``chunks_per_thread`` per pack thread) takes at most a quarter of the last-level cache, within
+    (``chunks_per_thread`` per pack thread) takes at most a third of the last-level cache, within
     :data:`RING_CHUNK_BOUNDS`; 4 MiB when the cache size is unknown."""
     low, high = RING_CHUNK_BOUNDS
     if not last_level_cache_bytes:
