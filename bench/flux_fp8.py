@@ -48,8 +48,9 @@ def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict:
     }
 
 
-def streamed(model, inputs: dict, resolution: int, repeats: int, device) -> dict:
-    """DLO rank-local on ``model``; its step time, streamed bytes and peak HBM."""
+def streamed(model, inputs: dict, repeats: int, device, resident_output: torch.Tensor) -> dict:
+    """DLO rank-local on ``model``; its step time, streamed bytes, peak HBM, and whether its
+    output is bitwise the resident one."""
     backend = enable_dlo(model, device=device, use_allgather=False)
     try:
         block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
@@ -57,6 +58,7 @@ def streamed(model, inputs: dict, resolution: int, repeats: int, device) -> dict
         step = step_seconds(model, inputs, repeats)
         peak = peak_gib(device)
         back_to_back = back_to_back_step_seconds(model, inputs, repeats)
+        bitwise = torch.equal(output_of(model, inputs), resident_output)
         stats = backend.stats()
         return {
             "dlo_s": step,
@@ -65,6 +67,8 @@ def streamed(model, inputs: dict, resolution: int, repeats: int, device) -> dict
             "block_bytes": block_bytes,
             "peak_gib": peak,
             "achieved_h2d_gbps": stats.h2d_gbps,
+            "slot_gib": stats.device_slot_bytes / 2**30,
+            "bitwise_equal_to_resident": bitwise,
         }
     finally:
         backend.disable()
@@ -94,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
                 reference = output
             else:
                 row["fp8_vs_bf16"] = fidelity(output, reference)
-            dlo = streamed(model, inputs, resolution, args.repeats, device)
+            dlo = streamed(model, inputs, args.repeats, device, output)
             bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
             row[variant] = {
                 "resident_s": resident_s,
@@ -128,6 +132,7 @@ def print_report(report: dict) -> None:
                 f"{r['achieved_h2d_gbps']:.1f} GB/s) = {r['dlo_over_limit']:.3f}x limit | back "
                 f"to back: resident {r['resident_back_to_back_s']:.3f} s, DLO "
                 f"{r['dlo_back_to_back_s']:.3f} s = {r['dlo_back_to_back_over_limit']:.3f}x limit"
+                f" | slots {r['slot_gib']:.2f} GiB | bitwise {r['bitwise_equal_to_resident']}"
             )
         quality = row["fp8_vs_bf16"]
         print(
