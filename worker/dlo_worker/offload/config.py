@@ -18,8 +18,8 @@ import torch.distributed as dist
 MAX_PACK_THREADS = 12
 """Packers per process at most. The ring's packers must outpace the copy engine with a
 margin: 8 pack about 55-64 GB/s on the 16-CPU H200 host, barely above its 52 GB/s copies,
-so a host slowdown of a few percent made the step pack-bound (runs at 1.29-1.6x private
-pinned); 12 pack 77-95 GB/s (docs/benchmarks.md)."""
+so a host slowdown of a few percent made the step pack-bound (up to 1.62x private pinned);
+12 pack 77-96 GB/s and sleep on the ring's events meanwhile (docs/benchmarks.md)."""
 RING_CACHE_SHARE = 3
 """The staging ring takes at most 1/RING_CACHE_SHARE of the CPU's last-level cache: the
 packers' reads of the mapping and the other threads' data share it with the ring (a
@@ -35,8 +35,8 @@ def default_pack_threads() -> int:
     """This process's share of the CPUs it may run on (ranks of a node split them), up to
     :data:`MAX_PACK_THREADS`.
 
-    Packing is memory-bound: beyond a few threads per process it only competes with
-    the other ranks and with the device copies for memory bandwidth.
+    Packing is memory-bound: past a margin over the copy engine's rate, more threads only
+    compete with the other ranks and with the device copies for memory bandwidth.
     """
     cpus = len(os.sched_getaffinity(0))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
