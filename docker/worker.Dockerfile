@@ -21,8 +21,18 @@ names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
 assert any('_staging_ring' in name and name.endswith('.so') for name in names), \
 'the native staging ring was not built: see the compiler output above'"
 
-# Runtime stage: the wheel and its dependencies, no compiler.
+# Runtime stage: the wheel, its dependencies, and what torch compiles kernels with while
+# the worker runs: inductor builds C++ for `--compile` on the CPU and Triton builds its CUDA
+# launcher on a GPU, each with g++/gcc and the Python headers. Without them `--compile`
+# fails on its first step (PyTorch's own runtime images lacked them: pytorch#116696).
 FROM ${BASE_IMAGE}
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && headers='import os, sys, sysconfig; \
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+ && if ! python3 -c "$headers"; then apt-get install -y --no-install-recommends python3-dev; fi \
+ && python3 -c "$headers" \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build /wheels /tmp/wheels
 # The pip cache mount keeps downloaded wheels between builds, outside the image.
 RUN --mount=type=cache,target=/root/.cache/pip \

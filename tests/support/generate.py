@@ -74,13 +74,13 @@ def demo_flags() -> list[str]:
     return flags
 
 
-def host_generate(model: Path, out: Path) -> bytes:
-    """``dlo-worker generate`` of :data:`DEMO_REQUEST` on the host, run as a user runs it:
-    the installed command, default threads (as in a container), no test paths. Returns
-    the PNG bytes that images, Pods and Services must reproduce."""
+def host_generate(model: Path, out: Path, *flags: str) -> bytes:
+    """``dlo-worker generate`` of :data:`DEMO_REQUEST` (and ``flags``) on the host, run as a
+    user runs it: the installed command, default threads (as in a container), no test
+    paths. Returns the PNG bytes that images, Pods and Services must reproduce."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     result = subprocess.run(
-        ["dlo-worker", "generate", "--model", str(model), *demo_flags(), "--out", str(out)],
+        ["dlo-worker", "generate", "--model", str(model), *demo_flags(), *flags, "--out", str(out)],
         capture_output=True,
         text=True,
         check=False,
