@@ -2,11 +2,12 @@
 
 Same model and inputs as ``bench/flux_dlo.py`` (random bf16 weights, 57 blocks), in one
 process: resident bf16, DLO bf16, resident FP8 and DLO FP8 (per-tensor FP8 linears in
-the blocks, dequantized on the GPU before each matmul). Prints each DLO step against its
-own limit max(resident step, streamed bytes / pinned H2D measured here), the streamed
-bytes, and how far the FP8 step's output is from the bf16 one (relative error and PSNR
-over the output's range). Steps are timed synchronized around each step and back to back
-(as ``bench/flux_dlo.py`` says).
+the blocks, cast on the GPU before each matmul by the worker's Triton kernel;
+``--torch-cast`` adds FP8 rows cast by ``Tensor.to``, PyTorch's own cast). Prints each DLO
+step against its own limit max(resident step, streamed bytes / pinned H2D measured here),
+the streamed bytes, and how far the FP8 step's output is from the bf16 one (relative error
+and PSNR over the output's range). Steps are timed synchronized around each step and back
+to back (as ``bench/flux_dlo.py`` says).
 
     python bench/flux_fp8.py --resolutions 1024 --json flux_fp8.json
 """
@@ -30,7 +31,15 @@ from flux_dlo import (
 )
 
 from dlo_worker.offload import enable_dlo
+from dlo_worker.pipeline import quantization
 from dlo_worker.pipeline.quantization import quantize_blocks_fp8
+
+WORKER_CAST = quantization.compute_weight
+
+
+def torch_cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 layers' cast without the Triton kernel (the ``--torch-cast`` rows)."""
+    return weight.to(dtype)
 
 
 @torch.inference_mode()
@@ -86,17 +95,19 @@ def run(args: argparse.Namespace) -> dict:
     for resolution in args.resolutions:
         inputs = flux_inputs(resolution, device)
         row: dict = {}
-        for variant in ("bf16", "fp8"):
+        for variant in ("bf16", "fp8", *(["fp8_torch_cast"] if args.torch_cast else [])):
             model = build_flux(device)
-            if variant == "fp8":
+            if variant != "bf16":
                 quantize_blocks_fp8(model)
+            # Float8Linear.forward calls the module's compute_weight.
+            quantization.compute_weight = torch_cast if variant == "fp8_torch_cast" else WORKER_CAST
             release(device)
             resident_s = step_seconds(model, inputs, args.repeats)
             resident_back_to_back_s = back_to_back_step_seconds(model, inputs, args.repeats)
             output = output_of(model, inputs)
             if variant == "bf16":
                 reference = output
-            else:
+            elif variant == "fp8":
                 row["fp8_vs_bf16"] = fidelity(output, reference)
             dlo = streamed(model, inputs, args.repeats, device, output)
             bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
@@ -123,7 +134,9 @@ def print_report(report: dict) -> None:
         f"pinned H2D {report['pinned_h2d_gbps']:.1f} GB/s"
     )
     for resolution, row in report["results"].items():
-        for variant in ("bf16", "fp8"):
+        for variant in ("bf16", "fp8", "fp8_torch_cast"):
+            if variant not in row:
+                continue
             r = row[variant]
             print(
                 f"{resolution}x{resolution} {variant}: blocks {r['block_gib']:.2f} GiB | resident "
@@ -147,6 +160,11 @@ def main() -> None:
     parser.add_argument("--resolutions", type=int, nargs="+", default=[1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
+    parser.add_argument(
+        "--torch-cast",
+        action="store_true",
+        help="Also run FP8 cast by Tensor.to (PyTorch's own cast) instead of the Triton kernel.",
+    )
     args = parser.parse_args()
     report = run(args)
     print_report(report)

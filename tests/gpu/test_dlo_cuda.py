@@ -114,3 +114,22 @@ def test_fp8_flux_on_cuda_is_bitwise_equal_to_fp8_resident() -> None:
         actual = [model(**inputs).sample for _ in range(3)]
     backend.disable()
     assert all(torch.equal(a, b) for a, b in zip(expected, actual, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_fp8_cast_kernel_writes_the_bits_torch_writes(dtype: torch.dtype) -> None:
+    """The FP8 layers cast with the Triton kernel on this GPU (its check before use passed),
+    and every e4m3 code (NaN too), at a length no kernel program divides, comes out as
+    ``Tensor.to`` writes it."""
+    from dlo_worker.pipeline import fp8_cast, quantization
+
+    assert quantization._fast_cast(CUDA.index, dtype) is fp8_cast, "the FP8 layers cast slowly"
+    codes = torch.arange(256, dtype=torch.uint8, device=CUDA).repeat(4099)[:-7]
+    weight = codes.view(torch.float8_e4m3fn).reshape(-1, 3)
+    fast, torch_cast = fp8_cast.cast(weight, dtype), weight.to(dtype)
+    assert fast.dtype == dtype
+    assert fast.shape == weight.shape
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan = torch_cast.isnan()
+    assert torch.equal(fast.isnan(), nan)
+    assert torch.equal(fast[~nan].view(bits), torch_cast[~nan].view(bits))

@@ -14,7 +14,9 @@ is exact in bf16, so the cast loses nothing, and cuBLAS (and the CPU's GEMM) app
 ``alpha`` to the float32 accumulator in the epilogue: one elementwise pass over the
 weight (the cast) instead of two (cast, then multiply in a full-size temporary), and no
 rounding of the scaled weight to bf16. On an H200 the second pass was about a third of
-the FP8 step's dequantization cost (``docs/benchmarks.md``).
+the FP8 step's dequantization cost (``docs/benchmarks.md``). On GPUs with FP8 conversion
+instructions the cast is one Triton kernel (:func:`compute_weight`): PyTorch's own converts
+FP8 at about a quarter of the GPU's memory bandwidth.
 
 Dequantize-then-matmul rather than an FP8 matmul (``torch._scaled_mm``): it runs on
 every device (the CPU included, so CI checks it), it is the same kernel sequence whether
@@ -38,9 +40,11 @@ same way to it without reading or quantizing the checkpoint (:func:`read_scales`
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -96,7 +100,7 @@ class Float8Linear(nn.Module):
         return (self.weight.float() * self.weight_scale).to(dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(hidden_states.dtype)  # exact: e4m3 values fit in bf16
+        weight = compute_weight(self.weight, hidden_states.dtype)
         flat = hidden_states.reshape(-1, self.in_features)
         bias = self.bias if self.bias is not None else flat.new_zeros(())
         output = torch.addmm(
@@ -113,6 +117,85 @@ class Float8Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, weight=float8_e4m3fn per-tensor"
         )
+
+
+def compute_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 weight as ``dtype`` for its matmul (exact: e4m3 values fit in bf16).
+
+    On a CUDA GPU with FP8 conversion instructions the cast is
+    :mod:`~dlo_worker.pipeline.fp8_cast`'s Triton kernel (3.4-3.9x PyTorch's cast on an
+    H200's large linears), once it has written ``Tensor.to``'s bits for every e4m3 code on
+    that GPU; elsewhere, and inside a compiled graph (inductor writes its own cast),
+    ``Tensor.to``. Resident and streamed layers both come here, so DLO's output stays
+    bitwise the resident one."""
+    if weight.is_cuda and weight.is_contiguous() and not torch.compiler.is_compiling():
+        fast = _fast_cast(weight.get_device(), dtype)
+        if fast is not None and weight.numel() <= fast.MAX_ELEMENTS:
+            return fast.cast(weight, dtype)
+    return weight.to(dtype)
+
+
+FAST_CAST_CAPABILITY = (8, 9)
+"""The first NVIDIA compute capability with FP8 conversion instructions (Ada, then Hopper
+and later): Triton refuses e4m3 on older GPUs (A100, A10), which cast with ``Tensor.to``."""
+
+
+def fast_cast_unavailable(cuda: str | None, capability: tuple[int, int]) -> str | None:
+    """Why a GPU of ``capability`` on a torch built for CUDA ``cuda`` (``None``: another
+    platform) cannot use the Triton cast, or ``None`` when it can (pure)."""
+    if cuda is None:
+        return "this torch is not built for CUDA (e4m3fn is NVIDIA's FP8 format)"
+    if capability < FAST_CAST_CAPABILITY:
+        return (
+            f"compute capability {capability[0]}.{capability[1]} has no FP8 conversion "
+            f"instructions (they start at {FAST_CAST_CAPABILITY[0]}.{FAST_CAST_CAPABILITY[1]})"
+        )
+    return None
+
+
+def cast_difference(
+    cast: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> str | None:
+    """Where ``cast`` of all 256 e4m3 codes on ``device`` differs from ``Tensor.to``'s
+    bits (the first such code), or ``None`` when it writes the same bits."""
+    codes = torch.arange(256, dtype=torch.uint8, device=device).view(FP8_DTYPE)
+    candidate, reference = cast(codes, dtype), codes.to(dtype)
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    nan = reference.isnan()
+    same = (candidate.isnan() == nan) & ((candidate.view(bits) == reference.view(bits)) | nan)
+    if bool(same.all()):
+        return None
+    code = int((~same).nonzero()[0])
+    return (
+        f"e4m3 code 0x{code:02x} cast to {dtype} gave {candidate[code].item()} "
+        f"where torch gives {reference[code].item()}"
+    )
+
+
+@functools.cache
+def _fast_cast(device_index: int, dtype: torch.dtype) -> ModuleType | None:
+    """The Triton cast to ``dtype`` on CUDA device ``device_index``, or ``None`` (said once,
+    with why)."""
+    reason = fast_cast_unavailable(
+        torch.version.cuda, torch.cuda.get_device_capability(device_index)
+    )
+    if reason is not None:
+        logger.info("fp8 weights cast by torch", extra={"fields": {"why": reason}})
+        return None
+    try:
+        from dlo_worker.pipeline import fp8_cast
+
+        reason = cast_difference(fp8_cast.cast, torch.device("cuda", device_index), dtype)
+    # Importing Triton, compiling the kernel or building Triton's launcher (a C compiler):
+    # whatever fails, torch's cast is correct, only slower.
+    except Exception as failure:
+        reason = f"the Triton kernel failed: {failure!r}"
+    if reason is None:
+        return fp8_cast
+    logger.warning("fp8 weights cast by torch", extra={"fields": {"why": reason}})
+    return None
 
 
 def quantize_blocks_fp8(
