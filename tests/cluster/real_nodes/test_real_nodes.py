@@ -1,6 +1,6 @@
 """Real nodes: the kubelets of ``up --real-nodes`` run Pods of the images built from
-docker/*.Dockerfile in containerd. A worker Pod, with the user the operator renders,
-generates the same PNG bytes as ``dlo-worker`` on the host; Pods on two nodes reach each
+docker/*.Dockerfile in containerd. A worker Pod, in the container the operator renders,
+generates the same PNG bytes as ``dlo-worker`` on the host, eager and compiled; Pods on two nodes reach each
 other by Pod IP; a kubelet that exits is started again; ``down`` leaves no process, mount,
 cgroup or bridge behind."""
 
@@ -18,13 +18,20 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
+from dlo_operator.render.pod_spec import (
+    WORKER_HOME,
+    WORKER_USER,
+    security_contexts,
+    volumes_and_mounts,
+)
+from dlo_operator.workerconfig import compile_cache_dir
+from dlo_worker.pipeline.demo_model import write_demo_model
 from tests.cluster.helpers import eventually
 from tests.harness import babysitter
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
+from tests.support.deployments import deployment_spec
 from tests.support.generate import demo_flags, host_generate
-
-WORKER_UID = 65532
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +87,66 @@ def probe_script(url: str) -> str:
     )
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
-    core, namespace: str, tmp_path: Path
+    core, namespace: str, tmp_path: Path, compiled: bool
 ) -> None:
-    tmp_path.chmod(0o777)
-    worker = ImageBuilder().reference("worker")
-    script = (
-        "dlo-worker demo-model /data/model && dlo-worker generate --model /data/model "
-        + " ".join(demo_flags())
-        + " --out /data/image.png"
+    """In the container the operator renders (its user, a read-only root filesystem, /tmp
+    and $HOME on emptyDirs, the model mounted read-only), eager and with ``--compile``,
+    whose kernels are built in the container (the compile cache where the operator puts
+    it)."""
+    spec = deployment_spec(
+        model={"hostPath": str(tmp_path / "model")}, compile={"enabled": compiled}
     )
-    body = pod(
+    write_demo_model(tmp_path / "model")
+    (tmp_path / "out").mkdir(mode=0o777)
+    (tmp_path / "out").chmod(0o777)
+    pod_context, container_context = security_contexts(spec)
+    volumes, mounts = volumes_and_mounts(spec)
+    compile_flags = ["--compile", "--compile-cache-dir", str(compile_cache_dir(spec))]
+    command = [
+        "dlo-worker",
         "generate",
-        "dlo-real-0",
-        worker,
-        ["sh", "-c", script],
-        security_context=client.V1PodSecurityContext(run_as_user=WORKER_UID),
-        volumes=[
-            client.V1Volume(
-                name="data", host_path=client.V1HostPathVolumeSource(path=str(tmp_path))
-            )
-        ],
-        volume_mounts=[client.V1VolumeMount(name="data", mount_path="/data")],
-    )
+        "--model",
+        spec.model.mount_path,
+        *demo_flags(),
+        *(compile_flags if compiled else []),
+        "--out",
+        "/out/image.png",
+    ]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "generate"},
+        "spec": {
+            "nodeName": "dlo-real-0",
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            "securityContext": pod_context,
+            "volumes": [*volumes, {"name": "out", "hostPath": {"path": str(tmp_path / "out")}}],
+            "containers": [
+                {
+                    "name": "generate",
+                    "image": ImageBuilder().reference("worker"),
+                    "imagePullPolicy": "Never",
+                    "command": command,
+                    "env": [
+                        {"name": "HOME", "value": WORKER_HOME},
+                        {"name": "USER", "value": WORKER_USER},
+                    ],
+                    "securityContext": container_context,
+                    "volumeMounts": [*mounts, {"name": "out", "mountPath": "/out"}],
+                }
+            ],
+        },
+    }
     core.create_namespaced_pod(namespace, body)
     phase = finished(core, namespace, "generate", 300)
     assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
-    host = host_generate(tmp_path / "model", tmp_path / "host.png")
-    assert (tmp_path / "image.png").read_bytes() == host
+    host = host_generate(
+        tmp_path / "model", tmp_path / "host.png", *(["--compile"] if compiled else [])
+    )
+    assert (tmp_path / "out" / "image.png").read_bytes() == host
 
 
 def routed_device(address: str) -> str:
