@@ -1,8 +1,8 @@
 """Real nodes: the kubelets of ``up --real-nodes`` run Pods of the images built from
 docker/*.Dockerfile in containerd. A worker Pod, in the container the operator renders,
-generates the same PNG bytes as ``dlo-worker`` on the host, eager and compiled; Pods on two nodes reach each
-other by Pod IP; a kubelet that exits is started again; ``down`` leaves no process, mount,
-cgroup or bridge behind."""
+generates the same PNG bytes as ``dlo-worker`` on the host, eager and compiled; Pods on
+two nodes reach each other by Pod IP; a kubelet that exits is started again; ``down``
+leaves no process, mount, cgroup or bridge behind."""
 
 from __future__ import annotations
 
