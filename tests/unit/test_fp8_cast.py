@@ -6,12 +6,24 @@ instructions are told apart. ``tests/gpu`` checks the compiled kernel, NaN codes
 from __future__ import annotations
 
 import importlib.util
-from types import ModuleType
+import logging
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
-from dlo_worker.pipeline.quantization import cast_difference, fast_cast_unavailable
+from dlo_worker.pipeline.quantization import (
+    cast_difference,
+    choose_cast,
+    fast_cast_unavailable,
+)
+
+CPU = torch.device("cpu")
+
+
+def casts(cast: str, reason: str) -> float:
+    return REGISTRY.get_sample_value("dlo_fp8_casts_total", {"cast": cast, "reason": reason}) or 0
 
 
 @pytest.fixture
@@ -82,3 +94,41 @@ def test_only_gpus_with_fp8_conversion_instructions_use_the_kernel(
     else:
         assert said is not None
         assert said.startswith(reason)
+
+
+def test_a_kernel_that_writes_torchs_bits_is_chosen_and_counted() -> None:
+    exact = SimpleNamespace(cast=lambda weight, dtype: weight.to(dtype))
+    before = casts("triton", "checked")
+    assert choose_cast("12.8", (9, 0), CPU, torch.bfloat16, lambda: exact) is exact
+    assert casts("triton", "checked") == before + 1
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_said_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def no_compiler() -> ModuleType:
+        raise RuntimeError("Failed to find C compiler")
+
+    before = casts("torch", "failed")
+    with caplog.at_level(logging.WARNING, logger="dlo_worker.pipeline.quantization"):
+        assert choose_cast("12.8", (9, 0), CPU, torch.bfloat16, no_compiler) is None
+    assert casts("torch", "failed") == before + 1
+    [record] = caplog.records
+    assert record.getMessage() == "fp8 weights cast by torch"
+    assert "Failed to find C compiler" in record.fields["why"]
+
+
+def test_a_kernel_that_writes_other_bits_falls_back_counted(interpreted: ModuleType) -> None:
+    """Triton's interpreter reads e4m3fn's NaN codes as +-480: a real kernel that differs."""
+    before = casts("torch", "differs")
+    assert choose_cast("12.8", (9, 0), CPU, torch.float32, lambda: interpreted) is None
+    assert casts("torch", "differs") == before + 1
+
+
+def test_a_gpu_without_fp8_instructions_never_loads_the_kernel() -> None:
+    def must_not_load() -> ModuleType:
+        raise AssertionError("loaded the kernel on an A100")
+
+    before = casts("torch", "capability")
+    assert choose_cast("12.8", (8, 0), CPU, torch.bfloat16, must_not_load) is None
+    assert casts("torch", "capability") == before + 1

@@ -104,6 +104,15 @@ STAGING_RING_SECONDS = Gauge(
     "block's last chunk to be enqueued).",
     ["activity"],
 )
+FP8_CASTS = Counter(
+    "dlo_fp8_casts",
+    "How FP8 layers cast their weights, one count per GPU and compute dtype, by cast "
+    "(triton: the worker's kernel, torch: Tensor.to) and reason (checked: the kernel wrote "
+    "Tensor.to's bits for every e4m3 code; capability: the GPU has no FP8 conversion "
+    "instructions; not-cuda; failed: the kernel could not be imported, compiled or "
+    "launched; differs: it wrote other bits).",
+    ["cast", "reason"],
+)
 NONFINITE_OUTPUTS = Counter(
     "dlo_nonfinite_outputs",
     "Generations whose decoded image held NaN or infinity (refused, not written).",

@@ -51,6 +51,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dlo_worker.loader.diffusers_loader import HostWeightEdit
+from dlo_worker.observability import metrics
 from dlo_worker.offload.plan import discover
 
 logger = logging.getLogger(__name__)
@@ -176,26 +177,54 @@ def cast_difference(
 
 @functools.cache
 def _fast_cast(device_index: int, dtype: torch.dtype) -> ModuleType | None:
-    """The Triton cast to ``dtype`` on CUDA device ``device_index``, or ``None`` (said once,
-    with why)."""
-    reason = fast_cast_unavailable(
-        torch.version.cuda, torch.cuda.get_device_capability(device_index)
+    """The Triton cast to ``dtype`` on CUDA device ``device_index``, or ``None``."""
+    return choose_cast(
+        torch.version.cuda,
+        torch.cuda.get_device_capability(device_index),
+        torch.device("cuda", device_index),
+        dtype,
+        _load_kernel,
     )
-    if reason is not None:
-        logger.info("fp8 weights cast by torch", extra={"fields": {"why": reason}})
+
+
+def _load_kernel() -> ModuleType:
+    from dlo_worker.pipeline import fp8_cast
+
+    return fp8_cast
+
+
+def choose_cast(
+    cuda: str | None,
+    capability: tuple[int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    load_kernel: Callable[[], ModuleType],
+) -> ModuleType | None:
+    """The kernel module ``load_kernel`` gives, where the GPU has FP8 conversion
+    instructions and the kernel writes ``Tensor.to``'s bits on ``device`` at ``dtype``;
+    else ``None`` (``Tensor.to``), said once with why and counted in ``dlo_fp8_casts``."""
+    unavailable = fast_cast_unavailable(cuda, capability)
+    if unavailable is not None:
+        _cast_by_torch("not-cuda" if cuda is None else "capability", unavailable, logging.INFO)
         return None
     try:
-        from dlo_worker.pipeline import fp8_cast
-
-        reason = cast_difference(fp8_cast.cast, torch.device("cuda", device_index), dtype)
+        kernel = load_kernel()
+        difference = cast_difference(kernel.cast, device, dtype)
     # Importing Triton, compiling the kernel or building Triton's launcher (a C compiler):
     # whatever fails, torch's cast is correct, only slower.
     except Exception as failure:
-        reason = f"the Triton kernel failed: {failure!r}"
-    if reason is None:
-        return fp8_cast
-    logger.warning("fp8 weights cast by torch", extra={"fields": {"why": reason}})
-    return None
+        _cast_by_torch("failed", f"the Triton kernel failed: {failure!r}", logging.WARNING)
+        return None
+    if difference is not None:
+        _cast_by_torch("differs", difference, logging.WARNING)
+        return None
+    metrics.FP8_CASTS.labels(cast="triton", reason="checked").inc()
+    return kernel
+
+
+def _cast_by_torch(reason: str, why: str, level: int) -> None:
+    metrics.FP8_CASTS.labels(cast="torch", reason=reason).inc()
+    logger.log(level, "fp8 weights cast by torch", extra={"fields": {"why": why}})
 
 
 def quantize_blocks_fp8(
