@@ -95,8 +95,13 @@ def test_the_worker_image_carries_the_native_staging_ring(container: str) -> Non
 
 
 @pytest.mark.parametrize("container", ["worker"], indirect=True)
-def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Path) -> None:
-    """The image's torch and diffusers produce the same PNG as the host's for the demo."""
+@pytest.mark.parametrize("flags", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_the_worker_image_generates_the_hosts_bytes(
+    container: str, tmp_path: Path, flags: list[str]
+) -> None:
+    """The image's torch and diffusers produce the same PNG as the host's for the demo.
+    ``--compile`` builds kernels while the worker runs (inductor's C++ on the CPU, Triton's
+    launcher on a GPU): the image carries their compiler and Python headers."""
     tmp_path.chmod(0o777)  # the image's user writes here
     run_in(container, "dlo-worker", "demo-model", "/data/model", volume=tmp_path)
     run_in(
@@ -106,34 +111,10 @@ def test_the_worker_image_generates_the_hosts_bytes(container: str, tmp_path: Pa
         "--model",
         "/data/model",
         *demo_flags(),
+        *flags,
         "--out",
         "/data/image.png",
         volume=tmp_path,
     )
-    host = host_generate(tmp_path / "model", tmp_path / "host.png")
+    host = host_generate(tmp_path / "model", tmp_path / "host.png", *flags)
     assert (tmp_path / "image.png").read_bytes() == host
-
-
-@pytest.mark.parametrize("container", ["worker"], indirect=True)
-def test_the_worker_image_compiles_the_model_as_the_host_does(
-    container: str, tmp_path: Path
-) -> None:
-    """``--compile`` builds kernels while the worker runs (inductor's C++ on the CPU, Triton's
-    launcher on a GPU): the image carries their compiler and Python headers, and its
-    compiled demo writes the host's compiled bytes."""
-    tmp_path.chmod(0o777)  # the image's user writes here
-    run_in(container, "dlo-worker", "demo-model", "/data/model", volume=tmp_path)
-    run_in(
-        container,
-        "dlo-worker",
-        "generate",
-        "--model",
-        "/data/model",
-        *demo_flags(),
-        "--compile",
-        "--out",
-        "/data/compiled.png",
-        volume=tmp_path,
-    )
-    host = host_generate(tmp_path / "model", tmp_path / "host.png", "--compile")
-    assert (tmp_path / "compiled.png").read_bytes() == host
