@@ -106,6 +106,42 @@ def test_more_fills_than_chunks_and_queue_entries_stay_in_order(ring: StagingRin
         assert_holds(buffers, block)
 
 
+def test_bytes_at_any_alignment_land_whole(ring: StagingRing) -> None:
+    """Byte-sized pieces at odd source and destination offsets, short and long, across
+    chunk boundaries, with gaps: an FP8 block's pieces are bytes."""
+    numel = 30_000
+    layout = layout_of([("w", torch.zeros(numel, dtype=torch.uint8))])
+    source = torch.randint(
+        0, 256, (numel + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    spans = [
+        (3, 300),
+        (310, 5000),
+        (5317, 1),
+        (5400, 4097),
+        (9600, 255),
+        (9856, 256),
+        (10113, 257),
+        (12000, 17_999),
+    ]
+    # Each view shifted differently, so no two coalesce into one copy.
+    pieces = [
+        MappedPiece(offset, length, source[offset + shift : offset + shift + length])
+        for shift, (offset, length) in enumerate(spans, start=1)
+    ]
+    block = StreamedBlock(
+        name="bytes",
+        module=nn.Identity(),
+        layout=layout,
+        parameters=[],
+        mapped={torch.uint8: pieces},
+    )
+    destination = {torch.uint8: torch.full((numel,), 0xA5, dtype=torch.uint8)}
+    ring.fill(block, 0, destination, None, None)
+    ring.wait_filled(0)
+    assert torch.equal(destination[torch.uint8], packed(block, torch.uint8))
+
+
 def test_close_lands_fills_nobody_waited_for() -> None:
     ring = StagingRing(CPU, None, TransferCounters(), lanes=2, chunk_bytes=4096, chunks=4)
     blocks = [make_block(index) for index in range(2)]
