@@ -1,5 +1,6 @@
 """The device memory planner (pure): FLUX.1-dev's component sizes against 80, 24, 12 and
-2 GiB, the explicit choices, and the budget a refusal names."""
+2 GiB, the explicit choices, the budget a refusal names, and when measured copy waits
+advise streaming a resident text encoder."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dlo_worker.loader.device_plan import (
     activation_reserve,
     budget_holding,
     plan_device_memory,
+    streaming_advice,
 )
 
 MIB = 2**20
@@ -99,3 +101,38 @@ def test_budget_holding_is_the_smallest_budget_whose_usable_share_holds_the_weig
     budget = budget_holding(weights)
     assert budget - activation_reserve(budget) >= weights
     assert (budget - 1) - activation_reserve(budget - 1) < weights
+
+
+T5_COPY_SECONDS = sum(T5.blocks) / 55e9
+"""T5-XXL's blocks at 55 GB/s: what streaming it adds to each request (about 0.17 s)."""
+
+
+def test_copy_waits_longer_than_t5s_copy_advise_streaming_it() -> None:
+    advice = streaming_advice(plan(24), ENCODERS, T5_COPY_SECONDS + 0.01, 55e9)
+    assert advice is not None
+    assert advice.component == "text_encoder_2"
+    assert advice.stream_seconds == pytest.approx(T5_COPY_SECONDS)
+    assert advice.host_bytes == sum(T5.blocks)
+    fields = advice.log_fields()
+    assert fields["fix"] == (
+        "--dlo-stream-text-encoders text_encoder_2 (DiffusionDeployment offload.streamTextEncoders)"
+    )
+
+
+@pytest.mark.parametrize("wait", [0.0, T5_COPY_SECONDS * 0.99])
+def test_a_step_that_hides_its_copies_keeps_t5_resident(wait: float) -> None:
+    assert streaming_advice(plan(24), ENCODERS, wait, 55e9) is None
+
+
+def test_a_slower_copy_raises_the_bar() -> None:
+    """At 25 GB/s (PCIe 4) T5's copy takes 0.37 s: 0.3 s of waits no longer pay for it."""
+    assert streaming_advice(plan(24), ENCODERS, 0.3, 55e9) is not None
+    assert streaming_advice(plan(24), ENCODERS, 0.3, 25e9) is None
+
+
+def test_nothing_is_advised_where_t5_streams_or_nothing_does() -> None:
+    assert streaming_advice(plan(12), ENCODERS, 100.0, 55e9) is None  # T5 streams already
+    assert streaming_advice(plan(80), ENCODERS, 100.0, 55e9) is None  # all resident
+    # CLIP has no blocks DLO streams; no rate measured yet.
+    assert streaming_advice(plan(24), ("text_encoder",), 100.0, 55e9) is None
+    assert streaming_advice(plan(24), ENCODERS, 100.0, 0.0) is None

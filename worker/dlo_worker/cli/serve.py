@@ -102,6 +102,7 @@ def serve(config: WorkerConfig, options: ServeOptions) -> None:
                 queue=queue,
                 sequence_parallel_size=config.parallel.sequence_parallel_size,
                 on_intake_closed=lambda: state.set_phase(Phase.DRAINING),
+                after_request=worker.after_request,
             )
 
             def drain_on_sigterm(_signum: int, _frame: types.FrameType | None) -> None:

@@ -276,6 +276,7 @@ class Engine:
         queue: RequestQueue | None,
         sequence_parallel_size: int = 1,
         on_intake_closed: Callable[[], None] = lambda: None,
+        after_request: Callable[[], None] = lambda: None,
     ) -> None:
         self.pipeline = pipeline
         # A server logs one structured line per request instead of a progress bar per step.
@@ -292,6 +293,7 @@ class Engine:
         self.queue = queue
         self.channel = ControlChannel(world_size)
         self._on_intake_closed = on_intake_closed
+        self._after_request = after_request
         self._stop_requested = threading.Event()
         self._intake_lock = threading.Lock()
         self._undo: AdapterChange | None = None
@@ -411,6 +413,7 @@ class Engine:
             return f"{type(error).__name__}: {error}"
         metrics.REQUEST_STAGE_SECONDS.labels(stage="png").observe(png_seconds)
         record_device_peak()
+        self._after_request()
         fields: dict[str, object] = {
             "rank": self.rank,
             "lane": self.lane,

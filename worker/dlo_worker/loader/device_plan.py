@@ -13,12 +13,16 @@ bytes each component will take on the device, what runs resident and what DLO st
 
 Text encoders stream only when they must: a prompt is encoded once per request, so its
 blocks' copies cannot hide behind compute (T5-XXL through 55 GB/s costs about 0.17 s),
-whereas a DiT's copies hide behind each denoising step's compute.
+whereas a DiT's copies hide behind each denoising step's compute. Where they do not (the
+DiT's step is copy-bound under the budget), a resident encoder's share of the budget is
+worth more as resident DiT blocks; that needs the step's copy waits, which only a request
+measures, so the plan stays and :func:`streaming_advice` says so after one.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -73,6 +77,8 @@ class DevicePlan:
     ``None`` when nothing streams."""
     minimum: int
     """Device bytes of this placement's weights with no streamed block resident."""
+    components: tuple[ComponentBytes, ...] = ()
+    """What the plan placed."""
 
     def streamed(self, among: tuple[str, ...]) -> tuple[str, ...]:
         """The components of ``among`` this plan streams."""
@@ -134,7 +140,14 @@ def plan_device_memory(
     by_name = {component.name: component for component in components}
     total = sum(component.total for component in components)
     if not (stream_dits or streamed_text_encoders) and total <= usable:
-        return DevicePlan(budget, reserve, dict.fromkeys(by_name, Placement.RESIDENT), None, total)
+        return DevicePlan(
+            budget,
+            reserve,
+            dict.fromkeys(by_name, Placement.RESIDENT),
+            None,
+            total,
+            tuple(components),
+        )
     streamed = [name for name in dits if by_name.get(name) and by_name[name].blocks]
     if not streamed:
         raise DeviceBudgetError(
@@ -162,12 +175,72 @@ def plan_device_memory(
                 for name in by_name
             }
             resident = sum(c.total for c in components if c.name not in chosen)
-            return DevicePlan(budget, reserve, placements, usable - resident, minimum)
+            return DevicePlan(
+                budget, reserve, placements, usable - resident, minimum, tuple(components)
+            )
     raise DeviceBudgetError(
         f"--max-gpu-memory-gib {budget / GIB:g}: even with {', '.join(streamed + encoders)} "
         f"streamed the pipeline needs {_gib(minimum)} GiB of weights and slots beside the "
         f"activation reserve; raise it to at least {_gib_at_least(budget_holding(minimum))} GiB"
     )
+
+
+@dataclass(frozen=True)
+class StreamingAdvice:
+    """A resident text encoder that measured copy waits say to stream."""
+
+    component: str
+    copy_wait_seconds: float
+    """What compute waited for streamed blocks' copies in one request."""
+    stream_seconds: float
+    """The encoder's blocks at the measured copy rate: what streaming it adds per request."""
+    host_bytes: int
+    """Host memory its blocks would take while streamed."""
+
+    def log_fields(self) -> dict[str, object]:
+        return {
+            "component": self.component,
+            "copy_wait_seconds": float(f"{self.copy_wait_seconds:.3g}"),
+            "stream_seconds": float(f"{self.stream_seconds:.3g}"),
+            "host_gib": _gib(self.host_bytes),
+            "fix": f"--dlo-stream-text-encoders {self.component} "
+            "(DiffusionDeployment offload.streamTextEncoders)",
+        }
+
+
+def streaming_advice(
+    plan: DevicePlan,
+    text_encoders: Sequence[str],
+    copy_wait_seconds: float,
+    copy_bytes_per_second: float,
+) -> StreamingAdvice | None:
+    """The largest resident text encoder of ``plan`` worth streaming, given one request's
+    copy waits of the streamed components and the rate their copies ran at (pure).
+
+    Streaming an encoder adds its blocks' copy, once per request. Its device bytes go to
+    the DiT's resident blocks, which take as many bytes off each denoising step's copies:
+    with two or more steps that saves more than it adds whenever the request waited longer
+    for copies than the encoder's copy takes. Where the step is compute-bound (no waits)
+    it would only add its copy, so none is advised.
+    """
+    if not plan.streams or copy_bytes_per_second <= 0:
+        return None
+    candidates = sorted(
+        (
+            component
+            for component in plan.components
+            if component.name in text_encoders
+            and component.blocks
+            and plan.placements.get(component.name) == Placement.RESIDENT
+        ),
+        key=lambda component: -sum(component.blocks),
+    )
+    for component in candidates:
+        block_bytes = sum(component.blocks)
+        stream_seconds = block_bytes / copy_bytes_per_second
+        if copy_wait_seconds > stream_seconds:
+            return StreamingAdvice(component.name, copy_wait_seconds, stream_seconds, block_bytes)
+    return None
 
 
 def _streaming_minimum(by_name: dict[str, ComponentBytes], streamed: list[str]) -> int:

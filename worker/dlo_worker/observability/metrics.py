@@ -50,6 +50,13 @@ WAVE_OCCUPANCY = Histogram(
     "Share of a wave's data-parallel slots that served a real request.",
     buckets=(0.125, 0.25, 0.5, 0.75, 1.0),
 )
+STREAMING_ADVISED = Gauge(
+    "dlo_streaming_advised",
+    "1 for a text encoder --max-gpu-memory-gib kept resident that a request's measured copy "
+    "waits say to stream (--dlo-stream-text-encoders): the log line 'placement advice' "
+    "gives the numbers.",
+    ["component"],
+)
 QUEUE_DEPTH = Gauge("dlo_request_queue_depth", "Requests waiting for a wave.")
 READY = Gauge("dlo_ready", "1 when the worker is loaded and accepting requests.")
 HOST_BACKING_FALLBACKS = Counter(

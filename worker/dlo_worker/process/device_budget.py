@@ -8,6 +8,10 @@ as fit) and the text encoders DLO streams (``--dlo-stream-text-encoders``). On a
 device larger than the budget the caching allocator is limited to it
 (``torch.cuda.set_per_process_memory_fraction``), so going over is an out-of-memory error
 rather than a silent use of memory a smaller GPU would not have.
+
+After each request :class:`StreamingAdvisor` checks the plan against what the request
+measured: a text encoder the plan kept resident that would be cheaper streamed is said
+once (the plan is made before anything runs and cannot know the step's copy waits).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from dlo_worker.loader.device_plan import (
     GIB,
     DeviceBudgetError,
     DevicePlan,
+    StreamingAdvice,
     plan_device_memory,
+    streaming_advice,
 )
 from dlo_worker.loader.diffusers_loader import DIT_COMPONENTS
 from dlo_worker.loader.model_directory import (
@@ -30,7 +36,9 @@ from dlo_worker.loader.model_directory import (
     listed_components,
     read_json_object,
 )
+from dlo_worker.observability import metrics
 from dlo_worker.offload.plan import TEXT_ENCODER_BLOCK_LISTS
+from dlo_worker.offload.stats import OffloadStats
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +143,40 @@ def device_peak(device: torch.device) -> dict[str, float]:
         "peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / GIB, 4),
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / GIB, 4),
     }
+
+
+class StreamingAdvisor:
+    """Says once, after a request, when a text encoder the plan keeps resident is worth
+    streaming (:func:`~dlo_worker.loader.device_plan.streaming_advice`): a log line naming
+    the option, and ``dlo_streaming_advised{component}`` set to 1.
+
+    A request counts only when every block it ran was prefetched: the first one, while DLO
+    learns the blocks' order, waits for copies a steady request does not.
+    """
+
+    def __init__(self, plan: DevicePlan) -> None:
+        self._plan = plan
+        self._seen: OffloadStats | None = None
+        self.advice: StreamingAdvice | None = None
+        """What was advised, once it was."""
+
+    def after_request(self, stats: OffloadStats) -> None:
+        before, self._seen = self._seen, stats
+        if self.advice is not None or before is None:
+            return
+        if stats.on_demand_loads != before.on_demand_loads:
+            return
+        advice = streaming_advice(
+            self._plan,
+            TEXT_ENCODER_COMPONENTS,
+            stats.exposed_wait_seconds - before.exposed_wait_seconds,
+            stats.h2d_gbps * 1e9,
+        )
+        if advice is None:
+            return
+        self.advice = advice
+        metrics.STREAMING_ADVISED.labels(component=advice.component).set(1)
+        logger.info(
+            "placement advice: stream this text encoder too",
+            extra={"fields": advice.log_fields()},
+        )

@@ -89,6 +89,8 @@ class Worker:
         """What ``--compile`` did (``None`` without it)."""
         self.device_plan: DevicePlan | None = None
         """Where ``--max-gpu-memory-gib`` placed each component (``None`` without it)."""
+        self.streaming_advisor: device_budget.StreamingAdvisor | None = None
+        """Rank 0's, where the plan streams: see :meth:`after_request`."""
         self._pipeline: DiffusionPipeline | None = None
         self._backing: BackingDecision | None = None
         self._previous_sigterm: signal._HANDLER = None
@@ -143,6 +145,8 @@ class Worker:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
         if policy == OffloadPolicy.DLO:
             self._enable_dlo(host_weights)
+            if self.device_plan is not None and self.topology.rank == 0:
+                self.streaming_advisor = device_budget.StreamingAdvisor(self.device_plan)
         if self.config.model.quantization == Quantization.FP8:
             # A DiT bound to a runtime-cache entry has its scales only now.
             quantization.read_scales(self.pipeline)
@@ -164,6 +168,11 @@ class Worker:
                 self.config.model.compile_cache_dir,
             )
             metrics.watch_compilation(self.compiled)
+
+    def after_request(self) -> None:
+        """Call after each request: checks the device plan against its copy waits."""
+        if self.streaming_advisor is not None and self.backend is not None:
+            self.streaming_advisor.after_request(self.backend.stats())
 
     @property
     def pipeline(self) -> DiffusionPipeline:
