@@ -170,9 +170,11 @@ class Worker:
             metrics.watch_compilation(self.compiled)
 
     def after_request(self) -> None:
-        """Call after each request: checks the device plan against its copy waits."""
-        if self.streaming_advisor is not None and self.backend is not None:
-            self.streaming_advisor.after_request(self.backend.stats())
+        """Call after each request: checks the device plan against its copy waits, until it
+        advised (reading the stats synchronizes the device, idle by then)."""
+        advisor = self.streaming_advisor
+        if advisor is not None and advisor.advice is None and self.backend is not None:
+            advisor.after_request(self.backend.stats())
 
     @property
     def pipeline(self) -> DiffusionPipeline:
