@@ -1,7 +1,8 @@
 """A full-size Flux pipeline (FLUX.1-dev's shapes, random bf16 weights written by
 ``dlo-worker demo-model --size full``) served by ``dlo-worker serve`` under a 24 GB and a
-12 GB device budget: the plan streams what it must, one 1024x1024 request through the
-OpenAI route answers a 1024x1024 PNG, and the allocator's peak stays under the budget.
+12 GB device budget: the plan streams what it must, 1024x1024 requests through the
+OpenAI route answer 1024x1024 PNGs, the allocator's peak stays under the budget, and at
+24 GB the copy-bound DiT's waits advise streaming T5 too.
 
 The model is 31.6 GiB on disk; ``DLO_FULL_FLUX_DIR`` names one written before (the
 benchmark's), otherwise it is written into the test's temporary directory.
@@ -56,12 +57,14 @@ def metric(text: str, name: str, label: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("budget_gib", "streamed"),
-    [(24, {"transformer"}), (12, {"transformer", "text_encoder_2"})],
+    ("budget_gib", "streamed", "advised"),
+    [(24, {"transformer"}, True), (12, {"transformer", "text_encoder_2"}, False)],
 )
 def test_full_size_flux_serves_within_the_budget(
-    full_flux_dir: Path, tmp_path: Path, budget_gib: int, streamed: set[str]
+    full_flux_dir: Path, tmp_path: Path, budget_gib: int, streamed: set[str], advised: bool
 ) -> None:
+    """At 24 GiB the DiT's copies outlast its compute on an H100 or H200, so the second
+    (steady) request advises streaming the resident T5 too; at 12 GiB it streams already."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
@@ -85,6 +88,10 @@ def test_full_size_flux_serves_within_the_budget(
             assert response.status_code == 200, response.text
             png = base64.b64decode(response.json()["data"][0]["b64_json"])
             assert Image.open(io.BytesIO(png)).size == (1024, 1024)
+            steady = requests.post(
+                f"{url}/v1/images/generations", json={**body, "steps": 4, "seed": 2}, timeout=600
+            )
+            assert steady.status_code == 200, steady.text
             metrics = requests.get(f"{url}/metrics", timeout=10).text
         finally:
             server.terminate()
@@ -94,6 +101,8 @@ def test_full_size_flux_serves_within_the_budget(
     placed = dict(re.findall(r"placement\.(\w+)=(\w+)", plan))
     assert {name for name, where in placed.items() if where == "streamed"} == streamed, plan
     assert metric(metrics, "dlo_device_memory_peak_bytes", "reserved") <= budget_gib * GIB
+    advice = re.search(r'^dlo_streaming_advised\{component="text_encoder_2"\} 1\.0$', metrics, re.M)
+    assert (advice is not None) == advised, log_path.read_text()[-3000:]
 
 
 def _ready(url: str) -> bool:

@@ -2,25 +2,19 @@
 ``generate``: the component sizes it plans with match the loaded pipeline; a budget that
 holds everything runs resident, a smaller one streams the DiT, a smaller one T5 too, and
 each image is bitwise the resident one; a budget nothing fits is refused naming the one
-that would; ``--dlo-stream-text-encoders`` streams T5 on request and refuses CLIP; where
-the DiT waits on copies (on the CPU every copy is waited for) the plan's resident T5 is
-advised streamed once, after a steady request."""
+that would; ``--dlo-stream-text-encoders`` streams T5 on request and refuses CLIP."""
 
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from dlo_worker.loader.component_bytes import component_bytes
 from dlo_worker.loader.device_plan import GIB, ComponentBytes, budget_holding
 from tests.support.generate import digest, refused_generate, run_generate
-from tests.support.ports import free_port
-from tests.support.serving import Server, serve_command
 
 PROMPT = ["--prompt", "a red cat", "--width", "64", "--height", "64"]
 DITS = ("transformer", "transformer_2")
@@ -140,44 +134,3 @@ def test_t5_streams_on_request_and_clip_is_refused(
     stderr = refused_generate(flux_model_dir, tmp_path / "clip.png", *PROMPT, *dlo, "text_encoder")
     assert "--dlo-stream-text-encoders names 'text_encoder', a CLIPTextModel" in stderr
     assert "it streams T5EncoderModel" in stderr
-
-
-def advised_metric(server: Server) -> float | None:
-    metrics = requests.get(f"{server.url}/metrics", timeout=30).text
-    found = re.search(r'^dlo_streaming_advised\{component="text_encoder_2"\} (\S+)$', metrics, re.M)
-    return float(found.group(1)) if found else None
-
-
-def test_a_served_budget_advises_streaming_t5_once_after_a_steady_request(
-    flux_model_dir: Path, sizes: dict[str, ComponentBytes]
-) -> None:
-    """``serve`` under a budget that streams the DiT and keeps T5: the first request (blocks
-    loaded on demand while DLO learns their order) advises nothing; the next, whose DiT
-    waited for every copy (the CPU copies synchronously), advises T5 streamed, once."""
-    dit = sizes["transformer"]
-    others = sum(c.total for c in sizes.values()) - dit.total
-    budget = budget_flag(others + dit.non_block + 2 * max(dit.blocks))
-    port = free_port()
-    server = Server(
-        [sys.executable, "-m", "dlo_worker", *serve_command(flux_model_dir, port, *budget)], port
-    )
-    body = {"prompt": "a red cat", "steps": 4, "width": 64, "height": 64}
-    try:
-        server.wait_ready()
-        assert server.generate(body).status_code == 200
-        after_first = advised_metric(server)
-        for _ in range(2):
-            assert server.generate(body).status_code == 200
-        after_third = advised_metric(server)
-    finally:
-        output = server.stop()
-    assert after_first is None
-    assert after_third == 1.0
-    plan = log_fields(output, "device memory plan")
-    assert plan["placement.transformer"] == "streamed"
-    assert plan["placement.text_encoder_2"] == "resident"
-    assert output.count("placement advice") == 1, output
-    advice = log_fields(output, "placement advice: stream this text encoder too")
-    assert advice["component"] == "text_encoder_2"
-    assert float(advice["copy_wait_seconds"]) > float(advice["stream_seconds"]) > 0
-    assert advice["fix"].startswith('"--dlo-stream-text-encoders text_encoder_2')

@@ -8,7 +8,6 @@ import pytest
 
 from dlo_worker.loader.device_plan import (
     GIB,
-    ComponentBytes,
     DeviceBudgetError,
     Placement,
     activation_reserve,
@@ -16,17 +15,8 @@ from dlo_worker.loader.device_plan import (
     plan_device_memory,
     streaming_advice,
 )
+from tests.support.flux_sizes import CLIP, DIT, FLUX, MIB, T5, T5_COPY_SECONDS, VAE
 
-MIB = 2**20
-DIT = ComponentBytes(
-    "transformer",
-    total=200 * MIB + 19 * 648 * MIB + 38 * 270 * MIB,
-    blocks=(648 * MIB,) * 19 + (270 * MIB,) * 38,
-)
-T5 = ComponentBytes("text_encoder_2", total=250 * MIB + 24 * 368 * MIB, blocks=(368 * MIB,) * 24)
-CLIP = ComponentBytes("text_encoder", total=235 * MIB)
-VAE = ComponentBytes("vae", total=160 * MIB)
-FLUX = [CLIP, T5, DIT, VAE]
 DITS = ("transformer", "transformer_2")
 ENCODERS = ("text_encoder", "text_encoder_2")
 
@@ -101,10 +91,6 @@ def test_budget_holding_is_the_smallest_budget_whose_usable_share_holds_the_weig
     budget = budget_holding(weights)
     assert budget - activation_reserve(budget) >= weights
     assert (budget - 1) - activation_reserve(budget - 1) < weights
-
-
-T5_COPY_SECONDS = sum(T5.blocks) / 55e9
-"""T5-XXL's blocks at 55 GB/s: what streaming it adds to each request (about 0.17 s)."""
 
 
 def test_copy_waits_longer_than_t5s_copy_advise_streaming_it() -> None:
