@@ -14,11 +14,15 @@ import logging
 import pytest
 import torch
 
-from dlo_worker.loader.device_plan import GIB, plan_device_memory
+from dlo_worker.loader.device_plan import GIB, DevicePlan, plan_device_memory
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig
 from dlo_worker.offload.stats import OffloadStats
-from dlo_worker.process.device_budget import TEXT_ENCODER_COMPONENTS, StreamingAdvisor
+from dlo_worker.process.device_budget import (
+    TEXT_ENCODER_COMPONENTS,
+    StreamingAdvisor,
+    may_advise,
+)
 from tests.support.flux_sizes import FLUX, T5_COPY_SECONDS
 
 
@@ -41,14 +45,17 @@ def after(stats: OffloadStats, *, waited: float, on_demand: int = 0) -> OffloadS
     )
 
 
-def advisor_at(budget_gib: int) -> StreamingAdvisor:
-    plan = plan_device_memory(
+def plan_at(budget_gib: int) -> DevicePlan:
+    return plan_device_memory(
         FLUX,
         budget_gib * GIB,
         dits=("transformer",),
         text_encoders=TEXT_ENCODER_COMPONENTS,
     )
-    return StreamingAdvisor(plan)
+
+
+def advisor_at(budget_gib: int) -> StreamingAdvisor:
+    return StreamingAdvisor(plan_at(budget_gib))
 
 
 def advised() -> float:
@@ -92,3 +99,9 @@ def test_where_t5_streams_already_nothing_is_advised(stats: OffloadStats) -> Non
     advisor.after_request(stats)
     advisor.after_request(after(stats, waited=30.0))
     assert advisor.advice is None
+
+
+def test_the_worker_keeps_an_advisor_only_where_one_could_advise() -> None:
+    assert may_advise(plan_at(24))  # DiT streamed, T5 resident
+    assert not may_advise(plan_at(12))  # T5 streamed already
+    assert not may_advise(plan_at(80))  # nothing streams

@@ -80,6 +80,20 @@ class DevicePlan:
     components: tuple[ComponentBytes, ...] = ()
     """What the plan placed."""
 
+    def resident_streamable(self, among: Sequence[str]) -> list[ComponentBytes]:
+        """The components of ``among`` with blocks DLO could stream that this plan keeps
+        resident, largest first."""
+        return sorted(
+            (
+                component
+                for component in self.components
+                if component.name in among
+                and component.blocks
+                and self.placements.get(component.name) == Placement.RESIDENT
+            ),
+            key=lambda component: -sum(component.blocks),
+        )
+
     def streamed(self, among: tuple[str, ...]) -> tuple[str, ...]:
         """The components of ``among`` this plan streams."""
         return tuple(name for name in among if self.placements.get(name) == Placement.STREAMED)
@@ -225,17 +239,7 @@ def streaming_advice(
     """
     if not plan.streams or copy_bytes_per_second <= 0:
         return None
-    candidates = sorted(
-        (
-            component
-            for component in plan.components
-            if component.name in text_encoders
-            and component.blocks
-            and plan.placements.get(component.name) == Placement.RESIDENT
-        ),
-        key=lambda component: -sum(component.blocks),
-    )
-    for component in candidates:
+    for component in plan.resident_streamable(text_encoders):
         block_bytes = sum(component.blocks)
         stream_seconds = block_bytes / copy_bytes_per_second
         if copy_wait_seconds > stream_seconds:

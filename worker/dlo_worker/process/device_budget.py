@@ -145,6 +145,12 @@ def device_peak(device: torch.device) -> dict[str, float]:
     }
 
 
+def may_advise(plan: DevicePlan) -> bool:
+    """Whether :class:`StreamingAdvisor` could ever advise under ``plan`` (pure): it streams
+    and keeps a text encoder resident that DLO could stream."""
+    return plan.streams and bool(plan.resident_streamable(TEXT_ENCODER_COMPONENTS))
+
+
 class StreamingAdvisor:
     """Says once, after a request, when a text encoder the plan keeps resident is worth
     streaming (:func:`~dlo_worker.loader.device_plan.streaming_advice`): a log line naming

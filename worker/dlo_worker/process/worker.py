@@ -90,7 +90,8 @@ class Worker:
         self.device_plan: DevicePlan | None = None
         """Where ``--max-gpu-memory-gib`` placed each component (``None`` without it)."""
         self.streaming_advisor: device_budget.StreamingAdvisor | None = None
-        """Rank 0's, where the plan streams: see :meth:`after_request`."""
+        """Rank 0's, where the plan streams and keeps a text encoder resident that it could
+        stream: see :meth:`after_request`."""
         self._pipeline: DiffusionPipeline | None = None
         self._backing: BackingDecision | None = None
         self._previous_sigterm: signal._HANDLER = None
@@ -145,8 +146,9 @@ class Worker:
             diffusers_offload.apply(self.pipeline, policy, self.device, DIT_COMPONENTS)
         if policy == OffloadPolicy.DLO:
             self._enable_dlo(host_weights)
-            if self.device_plan is not None and self.topology.rank == 0:
-                self.streaming_advisor = device_budget.StreamingAdvisor(self.device_plan)
+            plan = self.device_plan
+            if plan is not None and self.topology.rank == 0 and device_budget.may_advise(plan):
+                self.streaming_advisor = device_budget.StreamingAdvisor(plan)
         if self.config.model.quantization == Quantization.FP8:
             # A DiT bound to a runtime-cache entry has its scales only now.
             quantization.read_scales(self.pipeline)
