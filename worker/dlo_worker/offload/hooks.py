@@ -108,6 +108,22 @@ class BlockHooks:
     def before_block(self, block: StreamedBlock) -> None:
         slots, counters = self._slots, self._slots.counters
         started = time.perf_counter()
+        with slots.exposed():
+            slot_index, prediction = self._load_and_wait(block)
+        # Claimed from here: the post-hook releases the slot even if what follows raises.
+        self._slot_in_use[block] = slot_index
+        self._predicted[block] = prediction
+        slots.last_used = slot_index
+        if not slots.on_cuda:
+            # Synchronous copies are fully exposed on the CPU.
+            counters.exposed_wait_seconds += time.perf_counter() - started
+            counters.waits += 1
+        block.materialize(slot_index)
+
+    def _load_and_wait(self, block: StreamedBlock) -> tuple[int, Prediction]:
+        """Load ``block`` unless prefetched, start the next load, and order compute after
+        ``block``'s copy: the slot it runs from and what the schedule expects next."""
+        slots, counters = self._slots, self._slots.counters
         prediction = self._schedule.block_started(block)
         slot_index = slots.index_of(block)
         if slot_index is None:
@@ -122,15 +138,7 @@ class BlockHooks:
         if slots.shards > 1 and successor is not None:
             slots.copy_shards_ahead((successor, *prediction.following))
         slots.wait_ready(slot_index)
-        # Claimed from here: the post-hook releases the slot even if what follows raises.
-        self._slot_in_use[block] = slot_index
-        self._predicted[block] = prediction
-        slots.last_used = slot_index
-        if not slots.on_cuda:
-            # Synchronous copies are fully exposed on the CPU.
-            counters.exposed_wait_seconds += time.perf_counter() - started
-            counters.waits += 1
-        block.materialize(slot_index)
+        return slot_index, prediction
 
     def after_block(self, block: StreamedBlock) -> None:
         """Release the slot and refill it at once with the block after next (the copy waits
@@ -149,7 +157,10 @@ class BlockHooks:
             and slots.index_of(following) is None
             and slots.slots[1 - slot_index].block is prediction.successor
         ):
-            slots.load(following, slot_index, upcoming=prediction.following[1:])
+            # A staged load packs before it returns: compute waits where the block that
+            # just ran is shorter than the pack.
+            with slots.exposed():
+                slots.load(following, slot_index, upcoming=prediction.following[1:])
 
 
 def _streamed_weights_empty(block: StreamedBlock) -> Callable[..., None]:

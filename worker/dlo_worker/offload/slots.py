@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, overload
@@ -382,7 +384,8 @@ class SlotPair:
 
     def wait_ready(self, slot_index: int) -> None:
         """The slot's block is about to run: order the current (compute) stream after its
-        load and time the stall; the slot is in use until :meth:`release`."""
+        load (inside :meth:`exposed`, which times the stall); the slot is in use until
+        :meth:`release`."""
         slot = self.slots[slot_index]
         block = slot.block
         if block is None:
@@ -399,14 +402,28 @@ class SlotPair:
             # ``ready`` must be recorded before compute waits for it (else the wait would
             # see its previous record).
             feed.wait_filled(slot_index)
-        stall_started = torch.cuda.Event(enable_timing=True)
-        stall_finished = torch.cuda.Event(enable_timing=True)
-        compute = cuda.compute_stream()
-        stall_started.record(compute)
-        compute.wait_event(cuda.slots[slot_index].ready)
-        stall_finished.record(compute)
-        self.counters.pending_waits.append((stall_started, stall_finished))
+        cuda.compute_stream().wait_event(cuda.slots[slot_index].ready)
         self.counters.waits += 1
+
+    @contextmanager
+    def exposed(self) -> Iterator[None]:
+        """Time how long what runs inside keeps compute waiting (on CUDA; the CPU hooks
+        time their synchronous copies themselves): one event on the compute stream before
+        it and one after. Compute still running hides a host wait (a pack, a staging
+        ring's enqueue) and a stream wait for a copy alike; what it does not hide, both
+        events' span holds. Timing only the stream's wait missed the host waits, so a
+        staged step looked as if compute never waited."""
+        cuda = self._cuda
+        if cuda is None:
+            yield
+            return
+        compute = cuda.compute_stream()
+        started = torch.cuda.Event(enable_timing=True)
+        started.record(compute)
+        yield
+        finished = torch.cuda.Event(enable_timing=True)
+        finished.record(compute)
+        self.counters.pending_waits.append((started, finished))
         self.counters.drain(block=False)
 
     def release(self, slot_index: int) -> None:
