@@ -14,10 +14,11 @@
  * g - ring was handed to the stream, and before packing waits for that chunk's copy out
  * of the slot (its event, created with blocking sync: a waiting lane sleeps instead of
  * spinning on a CPU the other lanes, the feeder or the model's launch thread need).
- * The feeder alone talks to the copy stream, in chunk order: before a job's first chunk
- * it makes the stream wait for the job's `wait_event` (the slot's release), after each
- * chunk it records the ring slot's event, after a job's last chunk it records the job's
- * `ready_event`. Python waits for a job to be *enqueued* (not copied) before it orders
+ * The feeder alone talks to the copy stream, job by job; within a job it enqueues any
+ * packed chunk, lowest first (next_packed_locked): before a job's first enqueued chunk it
+ * makes the stream wait for the job's `wait_event` (the slot's release), after each chunk
+ * it records the ring slot's event, after a job's last enqueued chunk it records the
+ * job's `ready_event`. Python waits for a job to be *enqueued* (not copied) before it orders
  * compute after `ready_event`.
  *
  * Counters say where time went when a step runs slow: lanes packing, lanes idle (no
@@ -68,6 +69,7 @@ typedef struct {
     void *end_event;
     uint64_t first_chunk;
     uint64_t nchunks;
+    uint64_t chunks_enqueued; /* the feeder's: chunks of this job on the stream */
 } dlo_job;
 
 typedef struct {
@@ -89,7 +91,8 @@ typedef struct {
     uint64_t chunk_bytes;
     uint64_t nring;
     void **events;
-    int64_t *packed; /* per ring slot: the global chunk packed there and not yet copied */
+    int64_t *packed;   /* per ring slot: the global chunk packed there and not yet enqueued */
+    int64_t *released; /* per ring slot: the last chunk enqueued from it (-1: none yet) */
     int nlanes;
     pthread_t *lanes;
     pthread_t feeder;
@@ -102,7 +105,6 @@ typedef struct {
     uint64_t jobs_enqueued;
     uint64_t chunks_submitted;
     uint64_t chunks_claimed; /* the next chunk a free lane packs */
-    uint64_t chunks_enqueued;
     int stopping;
     int error;
     dlo_ring_stats stats;
@@ -168,10 +170,12 @@ static void *run_lane(void *argument) {
         uint64_t idle = 0, ring_full = 0;
         pthread_mutex_lock(&ring->mutex);
         for (;;) {
-            int no_work = ring->chunks_claimed >= ring->chunks_submitted;
+            uint64_t next = ring->chunks_claimed;
+            int no_work = next >= ring->chunks_submitted;
             /* The ring slot's previous chunk must be on the stream before it is overwritten. */
-            if (ring->stopping || !(no_work || ring->chunks_enqueued + ring->nring <= ring->chunks_claimed))
-                break;
+            int slot_busy = next >= ring->nring &&
+                            ring->released[next % ring->nring] != (int64_t)(next - ring->nring);
+            if (ring->stopping || !(no_work || slot_busy)) break;
             uint64_t waited = now_ns();
             pthread_cond_wait(&ring->changed, &ring->mutex);
             *(no_work ? &idle : &ring_full) += now_ns() - waited;
@@ -210,7 +214,26 @@ static void *run_lane(void *argument) {
     }
 }
 
-static int enqueue(dlo_ring *ring, const dlo_job *job, uint64_t chunk) {
+/* The chunk the feeder enqueues next, -1 while none is packed: the lowest-numbered packed
+ * chunk of the oldest job not wholly enqueued. Any packed chunk of that job may go, so a
+ * lane that packs slowly (preempted, faulting pages in) holds back only its own chunk, not
+ * the copy engine; chunks of later jobs wait, so the stream waits for a job's slot release
+ * only after every copy of the jobs before it. */
+static int64_t next_packed_locked(dlo_ring *ring) {
+    if (ring->jobs_enqueued >= ring->jobs_submitted) return -1;
+    const dlo_job *job = &ring->jobs[ring->jobs_enqueued % MAX_JOBS];
+    uint64_t end = job->first_chunk + job->nchunks;
+    int64_t best = -1;
+    for (uint64_t slot = 0; slot < ring->nring; slot++) {
+        int64_t chunk = ring->packed[slot];
+        if (chunk >= 0 && (uint64_t)chunk < end && (best < 0 || chunk < best)) best = chunk;
+    }
+    return best;
+}
+
+/* Put chunk `chunk` of `job` on the stream: after the job's `wait_event` when it is the
+ * job's first chunk enqueued (`first`), before its `ready_event` when it is the last. */
+static int enqueue(dlo_ring *ring, const dlo_job *job, uint64_t chunk, int first, int last) {
     uint64_t slot = chunk % ring->nring;
     uint64_t low = (chunk - job->first_chunk) * ring->chunk_bytes;
     uint64_t high = low + ring->chunk_bytes < job->nbytes ? low + ring->chunk_bytes : job->nbytes;
@@ -220,7 +243,6 @@ static int enqueue(dlo_ring *ring, const dlo_job *job, uint64_t chunk) {
         return 0;
     }
     int status = 0;
-    int first = chunk == job->first_chunk, last = chunk + 1 == job->first_chunk + job->nchunks;
     if (first && job->wait_event) status = ring->api.stream_wait_event(ring->stream, job->wait_event, 0);
     if (!status && first && job->start_event) status = ring->api.event_record(job->start_event, ring->stream);
     if (!status)
@@ -238,10 +260,11 @@ static void *run_feeder(void *argument) {
         fail(ring, -2);
         return NULL;
     }
-    for (uint64_t chunk = 0;; chunk++) {
+    for (;;) {
         pthread_mutex_lock(&ring->mutex);
-        while (!ring->stopping && ring->packed[chunk % ring->nring] != (int64_t)chunk) {
-            int no_work = chunk >= ring->chunks_submitted;
+        int64_t next;
+        while (!ring->stopping && (next = next_packed_locked(ring)) < 0) {
+            int no_work = ring->jobs_enqueued >= ring->jobs_submitted;
             uint64_t waited = now_ns();
             pthread_cond_wait(&ring->changed, &ring->mutex);
             *(no_work ? &ring->stats.feeder_idle_ns : &ring->stats.feeder_wait_ns) += now_ns() - waited;
@@ -250,9 +273,13 @@ static void *run_feeder(void *argument) {
             pthread_mutex_unlock(&ring->mutex);
             return NULL;
         }
-        dlo_job job = *job_of_locked(ring, chunk);
+        uint64_t chunk = (uint64_t)next;
+        /* Not reused while this job is not wholly enqueued (dlo_ring_submit waits). */
+        dlo_job *job = &ring->jobs[ring->jobs_enqueued % MAX_JOBS];
+        dlo_job copy = *job;
+        int first = job->chunks_enqueued == 0, last = job->chunks_enqueued + 1 == job->nchunks;
         pthread_mutex_unlock(&ring->mutex);
-        int status = enqueue(ring, &job, chunk);
+        int status = enqueue(ring, &copy, chunk, first, last);
         pthread_mutex_lock(&ring->mutex);
         if (status) {
             fail_locked(ring, status);
@@ -260,9 +287,10 @@ static void *run_feeder(void *argument) {
             return NULL;
         }
         ring->packed[chunk % ring->nring] = -1;
-        ring->chunks_enqueued = chunk + 1;
+        ring->released[chunk % ring->nring] = (int64_t)chunk;
+        job->chunks_enqueued += 1;
         ring->stats.chunks += 1;
-        if (chunk + 1 == job.first_chunk + job.nchunks) ring->jobs_enqueued += 1;
+        if (last) ring->jobs_enqueued += 1;
         pthread_cond_broadcast(&ring->changed);
         pthread_mutex_unlock(&ring->mutex);
     }
@@ -296,13 +324,14 @@ dlo_ring *dlo_ring_create(const dlo_cuda_api *api, int device, void *stream, cha
     pthread_cond_init(&ring->changed, NULL);
     ring->events = calloc(nring, sizeof(void *));
     ring->packed = malloc(nring * sizeof(int64_t));
+    ring->released = malloc(nring * sizeof(int64_t));
     ring->lanes = calloc((size_t)lanes, sizeof(pthread_t));
-    if (!ring->events || !ring->packed || !ring->lanes) {
+    if (!ring->events || !ring->packed || !ring->released || !ring->lanes) {
         *error = ENOMEM;
         dlo_ring_destroy(ring);
         return NULL;
     }
-    for (uint64_t slot = 0; slot < nring; slot++) ring->packed[slot] = -1;
+    for (uint64_t slot = 0; slot < nring; slot++) ring->packed[slot] = ring->released[slot] = -1;
     if (ring->cuda) {
         int status = ring->api.set_device(device);
         for (uint64_t slot = 0; !status && slot < nring; slot++)
@@ -359,6 +388,7 @@ int64_t dlo_ring_submit(dlo_ring *ring, const dlo_piece *pieces, uint64_t npiece
     job->end_event = end_event;
     job->first_chunk = ring->chunks_submitted;
     job->nchunks = (nbytes + ring->chunk_bytes - 1) / ring->chunk_bytes;
+    job->chunks_enqueued = 0;
     ring->chunks_submitted += job->nchunks;
     ring->jobs_submitted = id + 1;
     pthread_cond_broadcast(&ring->changed);
@@ -401,6 +431,7 @@ void dlo_ring_destroy(dlo_ring *ring) {
     }
     free(ring->events);
     free(ring->packed);
+    free(ring->released);
     free(ring->lanes);
     pthread_cond_destroy(&ring->changed);
     pthread_mutex_destroy(&ring->mutex);
