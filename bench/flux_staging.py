@@ -18,6 +18,10 @@ sharded safetensors checkpoint, then run four ways, rank-local:
 
 Every DLO step is timed synchronized around each step and back to back (as
 ``bench/flux_dlo.py`` says); each is compared with the pinned path timed the same way.
+With ``--paired-rounds N`` each staging run is also timed in N rounds that alternate
+the pinned path and the staged one, both enabled at once, so a ratio compares two
+measurements the host made moments apart: a slow staged round beside a fast pinned one
+is the staging's own, not a slow host's.
 
 Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
 of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` through the
@@ -41,6 +45,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -305,11 +310,39 @@ def registered_runs(directory: Path, device: torch.device, inputs: dict, args, r
         release(device)
 
 
+def paired_rounds(
+    pinned: torch.nn.Module, staged: torch.nn.Module, inputs: dict, rounds: int, repeats: int
+) -> dict:
+    """Staged over pinned step time, per round of one pinned then one staged measurement
+    (synchronized, then back to back), and the median and worst over the rounds."""
+    ratios: dict[str, list[float]] = {"synchronized": [], "back_to_back": []}
+    for _ in range(rounds):
+        for timing, seconds in (
+            ("synchronized", step_seconds),
+            ("back_to_back", back_to_back_step_seconds),
+        ):
+            pinned_s = seconds(pinned, inputs, repeats)
+            ratios[timing].append(seconds(staged, inputs, repeats) / pinned_s)
+    summary: dict = {"rounds": ratios}
+    for timing, values in ratios.items():
+        summary[f"{timing}_median"] = statistics.median(values)
+        summary[f"{timing}_max"] = max(values)
+    return summary
+
+
 def staging_runs(
-    directory: Path, device: torch.device, inputs: dict, args, report: dict, *, bound_s: float
+    directory: Path,
+    device: torch.device,
+    inputs: dict,
+    args,
+    report: dict,
+    *,
+    bound_s: float,
+    pinned: torch.nn.Module | None,
 ) -> None:
     """The checkpoint-mmap staging path for each ``--pack-threads`` and ``--staging`` kind
-    (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``)."""
+    (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``); with ``pinned`` (the
+    pinned path, still enabled) also ``--paired-rounds`` against it."""
     runs = [
         (threads, kind, size, depth)
         for threads in args.pack_threads
@@ -347,6 +380,10 @@ def staging_runs(
             row[f"staging_{run}_back_to_back_over_pinned"] = (
                 back_to_back / row["pinned_back_to_back_s"]
             )
+            if pinned is not None:
+                row[f"staging_{run}_paired"] = paired_rounds(
+                    pinned, skeleton, inputs[resolution], args.paired_rounds, args.repeats
+                )
         stats = backend.stats()
         report[f"staging_{run}"] = {
             "setup_s": setup_s,
@@ -384,6 +421,15 @@ def print_report(report: dict) -> None:
         for key in sorted(k for k in row if k.endswith("_over_pinned")):
             name = key.removesuffix("_over_pinned")
             print(f"{resolution}: {name} {row[f'{name}_s']:.3f} s = {row[key]:.3f}x pinned")
+        for key in sorted(k for k in row if k.endswith("_paired")):
+            paired = row[key]
+            print(
+                f"{resolution}: {key.removesuffix('_paired')} paired with pinned over "
+                f"{len(paired['rounds']['synchronized'])} rounds: median "
+                f"{paired['synchronized_median']:.3f} / {paired['back_to_back_median']:.3f}x, "
+                f"worst {paired['synchronized_max']:.3f} / {paired['back_to_back_max']:.3f}x "
+                "(synchronized / back to back)"
+            )
     for name, run in report.items():
         if isinstance(run, dict) and "setup_s" in run:
             details = ", ".join(
@@ -429,6 +475,13 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         default=[2],
         help="Ring chunks per pack thread (staging_ring_chunks_per_thread).",
+    )
+    parser.add_argument(
+        "--paired-rounds",
+        type=int,
+        default=0,
+        help="Also time each staging run in this many rounds alternating with the pinned "
+        "path (both enabled at once), a staged-over-pinned ratio per round.",
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -489,10 +542,11 @@ def main() -> None:
             row["pinned_back_to_back_s"] = back_to_back_step_seconds(
                 model, inputs[resolution], args.repeats
             )
-        backend.disable()
-        del model, backend
-        gc.collect()
-        release(device)
+        if not args.paired_rounds:
+            backend.disable()
+            del model, backend
+            gc.collect()
+            release(device)
 
         if not args.skip_registered:
             registered_runs(directory, device, inputs, args, report)
@@ -502,7 +556,17 @@ def main() -> None:
             {} if args.skip_pack_rates else pack_rates(directory, sorted({1, 2, 4, 8, 16}))
         )
         if not args.skip_staging:
-            staging_runs(directory, device, inputs, args, report, bound_s=bound_s)
+            staging_runs(
+                directory,
+                device,
+                inputs,
+                args,
+                report,
+                bound_s=bound_s,
+                pinned=model if args.paired_rounds else None,
+            )
+        if args.paired_rounds:
+            backend.disable()
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
