@@ -28,7 +28,8 @@ of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` throu
 native chunk ring (the worker's default; 0 MiB: the chunk size the worker chooses for
 this machine). Each ring run records where the ring's threads spent their time (packing,
 idle, waiting for a ring slot's copy, the feeder waiting for packs, the model waiting
-for a block's last chunk), so a slow run explains itself.
+for a block's last chunk), so a slow run explains itself; every run and the pinned path
+also record the CPU time the hypervisor gave other guests meanwhile (``host_steal_s``).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of docs/limits.md (30-34 GB/s).
@@ -153,6 +154,14 @@ def cgroup_memory_bytes() -> int | None:
             if file.exists():
                 return int(file.read_text())
     return None
+
+
+def host_steal_seconds() -> float:
+    """CPU time the hypervisor ran other guests on this machine's CPUs (``steal`` in
+    /proc/stat, summed over its CPUs): it grows while a shared host is busy, so a slow run
+    with steal beside it was the host's."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def pinned_kib() -> int:
@@ -364,6 +373,7 @@ def staging_runs(
         backend.enable(skeleton)
         setup_s = time.perf_counter() - started
         chunk_mib = backend.stats().ring_chunk_bytes // 2**20
+        steal_before, timed_from = host_steal_seconds(), time.perf_counter()
         run = (
             f"ring_{threads}t_{chunk_mib}mib_{depth}d" if kind == "ring" else f"{threads}t_{size}b"
         )
@@ -400,6 +410,8 @@ def staging_runs(
             "ring_full_wait_s": stats.ring_full_wait_seconds,
             "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
             "compute_wait_s": stats.pack_wait_seconds,
+            "timed_s": time.perf_counter() - timed_from,
+            "host_steal_s": host_steal_seconds() - steal_before,
         }
         backend.disable()
         del skeleton, backend
@@ -430,6 +442,11 @@ def print_report(report: dict) -> None:
                 f"worst {paired['synchronized_max']:.3f} / {paired['back_to_back_max']:.3f}x "
                 "(synchronized / back to back)"
             )
+    if "pinned_timed_s" in report:
+        print(
+            f"pinned path: timed {report['pinned_timed_s']:.1f} s, host steal "
+            f"{report['pinned_host_steal_s']:.2f} s"
+        )
     for name, run in report.items():
         if isinstance(run, dict) and "setup_s" in run:
             details = ", ".join(
@@ -534,6 +551,7 @@ def main() -> None:
         block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
         report["block_gib"] = block_bytes / 2**30
         bound_s = block_bytes / (report["pinned_h2d_gbps"] * 1e9)
+        steal_before, timed_from = host_steal_seconds(), time.perf_counter()
         for resolution in args.resolutions:
             release(device)
             row = report["results"][resolution]
@@ -542,6 +560,8 @@ def main() -> None:
             row["pinned_back_to_back_s"] = back_to_back_step_seconds(
                 model, inputs[resolution], args.repeats
             )
+        report["pinned_timed_s"] = time.perf_counter() - timed_from
+        report["pinned_host_steal_s"] = host_steal_seconds() - steal_before
         if not args.paired_rounds:
             backend.disable()
             del model, backend
