@@ -21,7 +21,9 @@ Every DLO step is timed synchronized around each step and back to back (as
 With ``--paired-rounds N`` each staging run is also timed in N rounds that alternate
 the pinned path and the staged one, both enabled at once, so a ratio compares two
 measurements the host made moments apart: a slow staged round beside a fast pinned one
-is the staging's own, not a slow host's.
+is the staging's own, not a slow host's. Each measurement of a round also records its
+copy rate, the ring's waits and the host's steal time, so a slow round says which of
+them moved.
 
 Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
 of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` through the
@@ -319,20 +321,48 @@ def registered_runs(directory: Path, device: torch.device, inputs: dict, args, r
         release(device)
 
 
-def paired_rounds(
-    pinned: torch.nn.Module, staged: torch.nn.Module, inputs: dict, rounds: int, repeats: int
-) -> dict:
+def counters(backend) -> dict[str, float]:
+    """The backend's cumulative counters and the host's steal time, for deltas around one
+    measurement: a slow round then says whether its copies, its packers or the host were
+    slow."""
+    stats = backend.stats()
+    return {
+        "bytes_streamed": stats.bytes_streamed,
+        "h2d_s": stats.h2d_seconds,
+        "pack_wait_s": stats.pack_wait_seconds,
+        "ring_full_wait_s": stats.ring_full_wait_seconds,
+        "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
+        "host_steal_s": host_steal_seconds(),
+    }
+
+
+def measured(module: torch.nn.Module, backend, timing, inputs: dict, repeats: int):
+    """Step seconds of one measurement and what the counters did meanwhile: the copy rate
+    (bytes over the copies' own time), the waits and the host's steal time."""
+    before = counters(backend)
+    seconds = timing(module, inputs, repeats)
+    delta = {key: value - before[key] for key, value in counters(backend).items()}
+    copied = delta.pop("bytes_streamed")
+    copy_s = delta.pop("h2d_s")
+    return seconds, {"h2d_gbps": copied / copy_s / 1e9 if copy_s else 0.0, **delta}
+
+
+def paired_rounds(pinned: tuple, staged: tuple, inputs: dict, rounds: int, repeats: int) -> dict:
     """Staged over pinned step time, per round of one pinned then one staged measurement
-    (synchronized, then back to back), and the median and worst over the rounds."""
+    (synchronized, then back to back), the median and worst over the rounds, and each
+    measurement's counters (``pinned`` and ``staged``: each a module and its backend)."""
     ratios: dict[str, list[float]] = {"synchronized": [], "back_to_back": []}
+    seen: dict[str, list[dict]] = {"synchronized": [], "back_to_back": []}
     for _ in range(rounds):
         for timing, seconds in (
             ("synchronized", step_seconds),
             ("back_to_back", back_to_back_step_seconds),
         ):
-            pinned_s = seconds(pinned, inputs, repeats)
-            ratios[timing].append(seconds(staged, inputs, repeats) / pinned_s)
-    summary: dict = {"rounds": ratios}
+            pinned_s, pinned_counters = measured(pinned[0], pinned[1], seconds, inputs, repeats)
+            staged_s, staged_counters = measured(staged[0], staged[1], seconds, inputs, repeats)
+            ratios[timing].append(staged_s / pinned_s)
+            seen[timing].append({"pinned": pinned_counters, "staged": staged_counters})
+    summary: dict = {"rounds": ratios, "counters": seen}
     for timing, values in ratios.items():
         summary[f"{timing}_median"] = statistics.median(values)
         summary[f"{timing}_max"] = max(values)
@@ -347,11 +377,11 @@ def staging_runs(
     report: dict,
     *,
     bound_s: float,
-    pinned: torch.nn.Module | None,
+    pinned: tuple | None,
 ) -> None:
     """The checkpoint-mmap staging path for each ``--pack-threads`` and ``--staging`` kind
     (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``); with ``pinned`` (the
-    pinned path, still enabled) also ``--paired-rounds`` against it."""
+    pinned path's module and backend, still enabled) also ``--paired-rounds`` against it."""
     runs = [
         (threads, kind, size, depth)
         for threads in args.pack_threads
@@ -392,7 +422,11 @@ def staging_runs(
             )
             if pinned is not None:
                 row[f"staging_{run}_paired"] = paired_rounds(
-                    pinned, skeleton, inputs[resolution], args.paired_rounds, args.repeats
+                    pinned,
+                    (skeleton, backend),
+                    inputs[resolution],
+                    args.paired_rounds,
+                    args.repeats,
                 )
         stats = backend.stats()
         report[f"staging_{run}"] = {
@@ -442,6 +476,17 @@ def print_report(report: dict) -> None:
                 f"worst {paired['synchronized_max']:.3f} / {paired['back_to_back_max']:.3f}x "
                 "(synchronized / back to back)"
             )
+            for timing, rounds in paired["counters"].items():
+                for index, seen in enumerate(rounds):
+                    pinned, staged = seen["pinned"], seen["staged"]
+                    print(
+                        f"  {timing} round {index + 1}: "
+                        f"{paired['rounds'][timing][index]:.3f}x, copies "
+                        f"{staged['h2d_gbps']:.1f} GB/s (pinned {pinned['h2d_gbps']:.1f}), "
+                        f"ring full {staged['ring_full_wait_s']:.2f} s, feeder "
+                        f"{staged['ring_feeder_wait_s']:.2f} s, steal "
+                        f"{staged['host_steal_s']:.2f} s (pinned {pinned['host_steal_s']:.2f})"
+                    )
     if "pinned_timed_s" in report:
         print(
             f"pinned path: timed {report['pinned_timed_s']:.1f} s, host steal "
@@ -583,7 +628,7 @@ def main() -> None:
                 args,
                 report,
                 bound_s=bound_s,
-                pinned=model if args.paired_rounds else None,
+                pinned=(model, backend) if args.paired_rounds else None,
             )
         if args.paired_rounds:
             backend.disable()
