@@ -331,7 +331,9 @@ def counters(backend) -> dict[str, float]:
         "h2d_s": stats.h2d_seconds,
         "pack_wait_s": stats.pack_wait_seconds,
         "ring_full_wait_s": stats.ring_full_wait_seconds,
+        "ring_copy_wait_s": stats.ring_copy_wait_seconds,
         "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
+        "ring_feeder_enqueue_s": stats.ring_feeder_enqueue_seconds,
         "host_steal_s": host_steal_seconds(),
     }
 
@@ -442,7 +444,9 @@ def staging_runs(
             "ring_chunks": stats.ring_chunks,
             "ring_idle_s": stats.ring_idle_seconds,
             "ring_full_wait_s": stats.ring_full_wait_seconds,
+            "ring_copy_wait_s": stats.ring_copy_wait_seconds,
             "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
+            "ring_feeder_enqueue_s": stats.ring_feeder_enqueue_seconds,
             "compute_wait_s": stats.pack_wait_seconds,
             "timed_s": time.perf_counter() - timed_from,
             "host_steal_s": host_steal_seconds() - steal_before,
@@ -483,8 +487,10 @@ def print_report(report: dict) -> None:
                         f"  {timing} round {index + 1}: "
                         f"{paired['rounds'][timing][index]:.3f}x, copies "
                         f"{staged['h2d_gbps']:.1f} GB/s (pinned {pinned['h2d_gbps']:.1f}), "
-                        f"ring full {staged['ring_full_wait_s']:.2f} s, feeder "
-                        f"{staged['ring_feeder_wait_s']:.2f} s, steal "
+                        f"ring full {staged['ring_full_wait_s']:.2f} s (copies "
+                        f"{staged['ring_copy_wait_s']:.2f} s), feeder waited "
+                        f"{staged['ring_feeder_wait_s']:.2f} s and enqueued "
+                        f"{staged['ring_feeder_enqueue_s']:.2f} s, steal "
                         f"{staged['host_steal_s']:.2f} s (pinned {pinned['host_steal_s']:.2f})"
                     )
     if "pinned_timed_s" in report:

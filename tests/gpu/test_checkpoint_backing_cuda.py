@@ -62,6 +62,8 @@ def test_the_default_staging_on_cuda_is_the_ring(variant, variants, resident) ->
     assert (stats.staging, stats.staging_reason) == ("ring", "default")
     assert stats.on_demand_loads == 0
     assert stats.ring_chunks > 0
+    assert stats.ring_feeder_enqueue_seconds > 0  # the feeder's CUDA calls, timed
+    assert stats.ring_copy_wait_seconds <= stats.ring_full_wait_seconds
     assert stats.h2d_gbps > 0
 
 

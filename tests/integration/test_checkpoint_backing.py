@@ -87,6 +87,7 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
     assert stats.ring_chunk_bytes == config.ring_chunk_bytes
     assert stats.staging_bytes == 2 * config.pack_threads * config.ring_chunk_bytes
     assert stats.ring_chunks > 0
+    assert stats.ring_copy_wait_seconds <= stats.ring_full_wait_seconds
     assert stats.pack_gbps > 0
     assert stats.host_registration == "off"
     assert (
@@ -95,8 +96,9 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
         )
         == (started or 0) + 1
     )
-    packed = REGISTRY.get_sample_value("dlo_staging_ring_seconds", {"activity": "pack"})
-    assert packed is not None
+    for activity in ("pack", "copy_wait", "feeder_enqueue"):
+        seconds = REGISTRY.get_sample_value("dlo_staging_ring_seconds", {"activity": activity})
+        assert seconds is not None, activity
     if variant == "fused":
         assert "adapters: fused-qkv" in worker.backing.reason
 

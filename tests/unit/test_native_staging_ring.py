@@ -86,6 +86,8 @@ def test_every_fill_holds_the_packed_block(ring: StagingRing) -> None:
         assert_holds(slots[index % 2], block)
     counters = ring.counters()
     assert counters.packed_bytes == sum(block.layout.nbytes for block in blocks)
+    # No CUDA: no copy events to wait for and no CUDA calls, so neither is counted.
+    assert counters.copy_wait_seconds == counters.feeder_enqueue_seconds == 0.0
     assert counters.chunks == sum(
         -(-layout.numel * dtype.itemsize // 4096)
         for block in blocks

@@ -105,10 +105,12 @@ STAGING_STARTS = Counter(
 STAGING_RING_SECONDS = Gauge(
     "dlo_staging_ring_seconds",
     "Seconds so far of the native staging ring by activity, summed over its packers: pack, "
-    "idle (nothing submitted), ring_full (a chunk to pack, its ring slot still being copied "
-    "out: the copy engine is the bottleneck); feeder_wait (the copy feeder waiting for a "
-    "pack: the packers are the bottleneck); compute_wait (the model's thread waiting for a "
-    "block's last chunk to be enqueued).",
+    "idle (nothing submitted), ring_full (a chunk to pack, its ring slot not yet free), "
+    "copy_wait (the part of ring_full waiting for the slot's copy itself: the copy engine "
+    "is the bottleneck; the rest waited for the feeder); feeder_wait (the copy feeder "
+    "waiting for a pack: the packers are the bottleneck); feeder_enqueue (the feeder in "
+    "CUDA calls putting copies on the stream); compute_wait (the model's thread waiting for "
+    "a block's last chunk to be enqueued).",
     ["activity"],
 )
 FP8_CASTS = Counter(
@@ -173,7 +175,15 @@ def watch_staging_ring(read: Callable[[], dict[str, float]]) -> None:
     def reader(activity: str) -> Callable[[], float]:
         return lambda: read().get(activity, 0.0)
 
-    for activity in ("pack", "idle", "ring_full", "feeder_wait", "compute_wait"):
+    for activity in (
+        "pack",
+        "idle",
+        "ring_full",
+        "copy_wait",
+        "feeder_wait",
+        "feeder_enqueue",
+        "compute_wait",
+    ):
         STAGING_RING_SECONDS.labels(activity=activity).set_function(reader(activity))
 
 

@@ -44,9 +44,15 @@ class OffloadStats:
     ring_full_wait_seconds: float
     """Summed over the ring's packers: a chunk to pack, its ring slot still being copied
     out (the copy engine is the bottleneck)."""
+    ring_copy_wait_seconds: float
+    """The part of ``ring_full_wait_seconds`` spent waiting for the slot's copy itself;
+    the rest waited for the feeder to put the slot's previous chunk on the stream (the
+    feeder is the bottleneck)."""
     ring_feeder_wait_seconds: float
     """The ring's copy feeder waiting for the next chunk's pack (the packers are the
     bottleneck: the copy engine may idle)."""
+    ring_feeder_enqueue_seconds: float
+    """The ring's copy feeder in CUDA calls, putting copies on the stream."""
     ring_chunks: int
     """Chunks the ring handed to the copy stream."""
     host_registration: str

@@ -256,7 +256,9 @@ def _ring_activity(
             "pack": ring.pack_seconds,
             "idle": ring.idle_seconds,
             "ring_full": ring.ring_full_wait_seconds,
+            "copy_wait": ring.copy_wait_seconds,
             "feeder_wait": ring.feeder_wait_seconds,
+            "feeder_enqueue": ring.feeder_enqueue_seconds,
             "compute_wait": backend.pack_wait_seconds,
         }
 

@@ -22,8 +22,10 @@
  * compute after `ready_event`.
  *
  * Counters say where time went when a step runs slow: lanes packing, lanes idle (no
- * chunk submitted), lanes waiting for a ring slot (the copy engine behind: the ring is
- * full), and the feeder waiting for the next chunk's pack (the packers behind).
+ * chunk submitted), lanes waiting for a ring slot, split into waiting for the slot's copy
+ * (the copy engine behind) and the rest (the feeder behind: the slot's previous chunk not
+ * yet on the stream), the feeder waiting for the next chunk's pack (the packers behind),
+ * and the feeder's time in CUDA calls.
  *
  * Without a CUDA API (every function pointer NULL) the feeder copies chunks with memcpy
  * into host memory, so CI runs the same ring and packing logic on the CPU.
@@ -80,6 +82,8 @@ typedef struct {
     uint64_t feeder_wait_ns;    /* the feeder waiting for the next chunk's pack */
     uint64_t feeder_idle_ns;    /* the feeder with no chunk submitted */
     uint64_t chunks;            /* chunks handed to the stream */
+    uint64_t copy_wait_ns;      /* part of ring_full_wait_ns: the slot's copy still running */
+    uint64_t feeder_enqueue_ns; /* the feeder in CUDA calls, putting copies on the stream */
 } dlo_ring_stats;
 
 typedef struct {
@@ -188,17 +192,19 @@ static void *run_lane(void *argument) {
         const dlo_job *found = job_of_locked(ring, chunk);
         dlo_job job = *found;
         pthread_mutex_unlock(&ring->mutex);
-        uint64_t unlocked = now_ns();
         uint64_t slot = chunk % ring->nring;
+        uint64_t copy_wait = 0; /* the copy out of the ring slot was still running */
         if (ring->cuda && chunk >= ring->nring) {
+            uint64_t waited = now_ns();
             int status = ring->api.event_synchronize(ring->events[slot]);
             if (status != 0) {
                 fail(ring, status);
                 return NULL;
             }
+            copy_wait = now_ns() - waited;
         }
+        ring_full += copy_wait;
         uint64_t began = now_ns();
-        ring_full += began - unlocked; /* the copy out of the ring slot was still running */
         uint64_t low = (chunk - job.first_chunk) * ring->chunk_bytes;
         uint64_t high = low + ring->chunk_bytes < job.nbytes ? low + ring->chunk_bytes : job.nbytes;
         pack(&job, low, high, ring->ring + slot * ring->chunk_bytes);
@@ -209,6 +215,7 @@ static void *run_lane(void *argument) {
         ring->stats.pack_ns += ended - began;
         ring->stats.lane_idle_ns += idle;
         ring->stats.ring_full_wait_ns += ring_full;
+        ring->stats.copy_wait_ns += copy_wait;
         pthread_cond_broadcast(&ring->changed);
         pthread_mutex_unlock(&ring->mutex);
     }
@@ -279,7 +286,9 @@ static void *run_feeder(void *argument) {
         dlo_job copy = *job;
         int first = job->chunks_enqueued == 0, last = job->chunks_enqueued + 1 == job->nchunks;
         pthread_mutex_unlock(&ring->mutex);
+        uint64_t began = now_ns();
         int status = enqueue(ring, &copy, chunk, first, last);
+        uint64_t enqueued = now_ns();
         pthread_mutex_lock(&ring->mutex);
         if (status) {
             fail_locked(ring, status);
@@ -290,6 +299,7 @@ static void *run_feeder(void *argument) {
         ring->released[chunk % ring->nring] = (int64_t)chunk;
         job->chunks_enqueued += 1;
         ring->stats.chunks += 1;
+        if (ring->cuda) ring->stats.feeder_enqueue_ns += enqueued - began;
         if (last) ring->jobs_enqueued += 1;
         pthread_cond_broadcast(&ring->changed);
         pthread_mutex_unlock(&ring->mutex);

@@ -91,6 +91,8 @@ class _Stats(ctypes.Structure):
         ("feeder_wait_ns", ctypes.c_uint64),
         ("feeder_idle_ns", ctypes.c_uint64),
         ("chunks", ctypes.c_uint64),
+        ("copy_wait_ns", ctypes.c_uint64),
+        ("feeder_enqueue_ns", ctypes.c_uint64),
     )
 
 
@@ -163,9 +165,14 @@ class RingCounters:
     ring_full_wait_seconds: float
     """Summed over packers: a chunk to pack but its ring slot still being copied out (the
     copy engine is behind the packers: where a copy-bound step spends its time)."""
+    copy_wait_seconds: float
+    """The part of ``ring_full_wait_seconds`` spent waiting for the slot's copy to finish
+    (the rest waited for the feeder to put the slot's previous chunk on the stream)."""
     feeder_wait_seconds: float
     """Time the copy-ordering thread waited for the next chunk's pack (the packers are
     behind the copy engine: with the copy engine idle, this is lost time)."""
+    feeder_enqueue_seconds: float
+    """Time the copy-ordering thread spent in CUDA calls putting copies on the stream."""
     chunks: int
 
 
@@ -279,7 +286,9 @@ class StagingRing:
             pack_seconds=stats.pack_ns / 1e9,
             idle_seconds=stats.lane_idle_ns / 1e9,
             ring_full_wait_seconds=stats.ring_full_wait_ns / 1e9,
+            copy_wait_seconds=stats.copy_wait_ns / 1e9,
             feeder_wait_seconds=stats.feeder_wait_ns / 1e9,
+            feeder_enqueue_seconds=stats.feeder_enqueue_ns / 1e9,
             chunks=stats.chunks,
         )
 
