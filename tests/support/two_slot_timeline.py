@@ -7,6 +7,9 @@ landed; resident blocks only compute. Forwards repeat, so the first blocks of a 
 are copied during the end of the previous one. The model reproduced the H200
 measurements of the count-spread placement (1.05x / 1.12x the bound at 12 / 16 GiB on
 Flux-class, docs/benchmarks.md) before the byte-spread placement replaced it.
+
+``positions`` asks what more device buffers would give: block ``k`` then waits for block
+``k - positions`` instead (how much lookahead FP8 streaming needs, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ def step_seconds(
     resident: set[int],
     compute_seconds: list[float],
     bytes_per_second: float,
+    *,
     forwards: int = 6,
+    positions: int = 2,
 ) -> float:
     """Steady-state seconds per forward (the first two forwards are warm-up)."""
     streamed = [index for index in range(len(block_bytes)) if index not in resident]
@@ -28,11 +33,11 @@ def step_seconds(
 
     def copy(load: int) -> None:
         nonlocal copy_engine_free
-        start = max(copy_engine_free, released[load - 2] if load >= 2 else 0.0)
+        start = max(copy_engine_free, released[load - positions] if load >= positions else 0.0)
         copy_engine_free = start + block_bytes[loads[load]] / bytes_per_second
         ready.append(copy_engine_free)
 
-    for load in range(min(2, len(loads))):
+    for load in range(min(positions, len(loads))):
         copy(load)
     clock, load, forward_starts = 0.0, 0, []
     for _ in range(forwards):
@@ -43,7 +48,7 @@ def step_seconds(
                 continue
             clock = max(clock, ready[load]) + seconds
             released.append(clock)
-            if load + 2 < len(loads):
-                copy(load + 2)
+            if load + positions < len(loads):
+                copy(load + positions)
             load += 1
     return (clock - forward_starts[2]) / (forwards - 2)
