@@ -9,6 +9,12 @@ the streamed bytes, and how far the FP8 step's output is from the bf16 one (rela
 and PSNR over the output's range). Steps are timed synchronized around each step and back
 to back (as ``bench/flux_dlo.py`` says).
 
+Each resident row also times every block's compute (CUDA events around each block's
+forward, over one step) and reports the mean per double-stream and per single-stream
+block beside each kind's copy time at the pinned H2D rate: where a kind's copy outlasts
+its compute, two device slots cannot hide it, and the model of docs/benchmarks.md
+("How much lookahead the goal needs") assumes both kinds compute alike.
+
     python bench/flux_fp8.py --resolutions 1024 --json flux_fp8.json
 """
 
@@ -17,7 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
+from typing import cast
 
 import torch
 from flux_dlo import (
@@ -55,6 +64,46 @@ def fidelity(output: torch.Tensor, reference: torch.Tensor) -> dict:
         "relative_error": (error.norm() / reference.norm()).item(),
         "psnr_db": 10 * math.log10(span**2 / mse) if mse else math.inf,
     }
+
+
+@torch.inference_mode()
+def block_compute_ms(model: torch.nn.Module, inputs: dict, bandwidth_gbps: float) -> dict:
+    """Mean compute milliseconds of a double-stream and of a single-stream block over one
+    resident step (events on the compute stream around each block's forward), beside each
+    kind's copy at ``bandwidth_gbps``."""
+    names = {"double": "transformer_blocks", "single": "single_transformer_blocks"}
+    kinds = {kind: cast(torch.nn.ModuleList, model.get_submodule(n)) for kind, n in names.items()}
+    starts: dict[str, list[torch.cuda.Event]] = {kind: [] for kind in kinds}
+    ends: dict[str, list[torch.cuda.Event]] = {kind: [] for kind in kinds}
+
+    def recorder(events: list[torch.cuda.Event]) -> Callable[..., None]:
+        def record(*_hook_args: object) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            events.append(event)
+
+        return record
+
+    handles = []
+    for kind, blocks in kinds.items():
+        for block in blocks:
+            handles.append(block.register_forward_pre_hook(recorder(starts[kind])))
+            handles.append(block.register_forward_hook(recorder(ends[kind])))
+    try:
+        model(**inputs)
+        torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    report: dict = {}
+    for kind, blocks in kinds.items():
+        block_bytes = sum(t.nbytes for t in chain(blocks[0].parameters(), blocks[0].buffers()))
+        spans = [
+            start.elapsed_time(end) for start, end in zip(starts[kind], ends[kind], strict=True)
+        ]
+        report[f"{kind}_compute_ms"] = sum(spans) / len(spans)
+        report[f"{kind}_copy_ms"] = block_bytes / (bandwidth_gbps * 1e9) * 1e3
+    return report
 
 
 def streamed(model, inputs: dict, repeats: int, device, resident_output: torch.Tensor) -> dict:
@@ -104,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
             release(device)
             resident_s = step_seconds(model, inputs, args.repeats)
             resident_back_to_back_s = back_to_back_step_seconds(model, inputs, args.repeats)
+            blocks = block_compute_ms(model, inputs, bandwidth)
             output = output_of(model, inputs)
             if variant == "bf16":
                 reference = output
@@ -117,6 +167,7 @@ def run(args: argparse.Namespace) -> dict:
                 "transfer_bound_s": bound_s,
                 "dlo_over_limit": dlo["dlo_s"] / max(resident_s, bound_s),
                 "resident_back_to_back_s": resident_back_to_back_s,
+                "blocks": blocks,
                 "dlo_back_to_back_over_limit": dlo["dlo_back_to_back_s"]
                 / max(resident_back_to_back_s, bound_s),
             }
@@ -146,6 +197,12 @@ def print_report(report: dict) -> None:
                 f"to back: resident {r['resident_back_to_back_s']:.3f} s, DLO "
                 f"{r['dlo_back_to_back_s']:.3f} s = {r['dlo_back_to_back_over_limit']:.3f}x limit"
                 f" | slots {r['slot_gib']:.2f} GiB | bitwise {r['bitwise_equal_to_resident']}"
+            )
+            b = r["blocks"]
+            print(
+                f"  per block, compute / copy at pinned H2D: double "
+                f"{b['double_compute_ms']:.2f} / {b['double_copy_ms']:.2f} ms, single "
+                f"{b['single_compute_ms']:.2f} / {b['single_copy_ms']:.2f} ms"
             )
         quality = row["fp8_vs_bf16"]
         print(
