@@ -164,26 +164,45 @@ def resident_beside_copies_seconds(
     hardware concurrent copies slow compute without any DLO code involved (the kernels'
     launches share the PCIe link the copies saturate).
     """
+    return copies_beside_resident(model, inputs, nbytes, repeats, warmup)[0]
+
+
+@torch.inference_mode()
+def copies_beside_resident(
+    model: torch.nn.Module, inputs: dict, nbytes: int, repeats: int, warmup: int = 2
+) -> tuple[float, float]:
+    """Median step (s) of the resident model while a side stream copies ``nbytes``
+    host-to-device, and the median rate (GB/s) of those copies, timed on the side stream.
+
+    All copies are issued before the step: the best any streaming schedule could overlap
+    them with compute, with unlimited device memory. The step is that schedule's floor,
+    and the rate is what the copy engine reaches beside this model's compute.
+    """
     device = next(model.parameters()).device
     chunk = min(nbytes, 2**30)
     source = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(chunk, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device)
-    times = []
+    times, rates = [], []
     for index in range(warmup + repeats):
+        copy_started = torch.cuda.Event(enable_timing=True)
+        copy_finished = torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         started = time.perf_counter()
         with torch.cuda.stream(side):
+            copy_started.record()
             remaining = nbytes
             while remaining > 0:
                 length = min(chunk, remaining)
                 target[:length].copy_(source[:length], non_blocking=True)
                 remaining -= length
+            copy_finished.record()
         model(**inputs)
         torch.cuda.synchronize()
         if index >= warmup:
             times.append(time.perf_counter() - started)
-    return statistics.median(times)
+            rates.append(nbytes / (copy_started.elapsed_time(copy_finished) / 1e3) / 1e9)
+    return statistics.median(times), statistics.median(rates)
 
 
 def rss_gib() -> float:
