@@ -20,6 +20,13 @@ bytes, all issued up front: the floor of any streaming schedule (unlimited devic
 lookahead), and the rate the copy engine reaches beside this step's compute. Where that
 floor is above the limit, no schedule reaches the limit on this machine.
 
+``--budgets`` adds FP8 DLO rows under ``gpu_memory_budget_gib`` (resident blocks spread
+through the order, the rest streamed through the two slots), each against its own limit
+max(resident step, its streamed bytes / pinned H2D): the other way to spend device memory
+on the step, beside more copies in flight.
+
+    python bench/flux_fp8.py --resolutions 1024 --budgets 2 3 4 --json flux_fp8.json
+
     python bench/flux_fp8.py --resolutions 1024 --json flux_fp8.json
 """
 
@@ -114,14 +121,26 @@ def block_compute_ms(model: torch.nn.Module, inputs: dict, bandwidth_gbps: float
 
 def streamed_bytes(model: torch.nn.Module) -> int:
     """Bytes of the blocks DLO streams (both block lists' parameters and buffers)."""
-    blocks = chain(model.transformer_blocks, model.single_transformer_blocks)
+    lists = ("transformer_blocks", "single_transformer_blocks")
+    blocks = chain.from_iterable(cast(torch.nn.ModuleList, model.get_submodule(n)) for n in lists)
     return sum(t.nbytes for block in blocks for t in chain(block.parameters(), block.buffers()))
 
 
-def streamed(model, inputs: dict, repeats: int, device, resident_output: torch.Tensor) -> dict:
-    """DLO rank-local on ``model``; its step time, streamed bytes, peak HBM, and whether its
-    output is bitwise the resident one."""
-    backend = enable_dlo(model, device=device, use_allgather=False)
+def streamed(
+    model,
+    inputs: dict,
+    repeats: int,
+    device,
+    resident_output: torch.Tensor,
+    *,
+    budget_gib: float | None = None,
+) -> dict:
+    """DLO rank-local on ``model`` (within ``budget_gib`` of device memory if given); its
+    step time, streamed bytes, peak HBM, and whether its output is bitwise the resident
+    one."""
+    backend = enable_dlo(
+        model, device=device, use_allgather=False, gpu_memory_budget_gib=budget_gib
+    )
     try:
         block_bytes = sum(layout.nbytes for layout in backend.block_layouts())
         release(device)
@@ -138,10 +157,37 @@ def streamed(model, inputs: dict, repeats: int, device, resident_output: torch.T
             "peak_gib": peak,
             "achieved_h2d_gbps": stats.h2d_gbps,
             "slot_gib": stats.device_slot_bytes / 2**30,
+            "resident_blocks": stats.resident_blocks,
             "bitwise_equal_to_resident": bitwise,
         }
     finally:
         backend.disable()
+
+
+def budget_row(
+    inputs: dict, device, repeats: int, budget_gib: float, *, fp8: dict, bandwidth: float
+) -> dict:
+    """FP8 DLO within ``budget_gib`` (a fresh FP8 model: DLO empties the one it streamed),
+    against the limit of the bytes it still streams; ``fp8`` is the all-streamed row."""
+    quantization.compute_weight = WORKER_CAST
+    model = build_flux(device)
+    quantize_blocks_fp8(model)
+    output = output_of(model, inputs)
+    release(device)
+    dlo = streamed(model, inputs, repeats, device, output, budget_gib=budget_gib)
+    del model, output
+    release(device)
+    bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
+    row = {
+        "budget_gib": budget_gib,
+        **dlo,
+        "transfer_bound_s": bound_s,
+        "dlo_over_limit": dlo["dlo_s"] / max(fp8["resident_s"], bound_s),
+        "dlo_back_to_back_over_limit": dlo["dlo_back_to_back_s"]
+        / max(fp8["resident_back_to_back_s"], bound_s),
+    }
+    print(f"  budget {budget_gib} GiB: {row}", flush=True)
+    return row
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -192,6 +238,10 @@ def run(args: argparse.Namespace) -> dict:
             del model, output
             release(device)
             print(f"{resolution} {variant}: {row[variant]}", flush=True)
+        row["fp8_budgets"] = [
+            budget_row(inputs, device, args.repeats, budget, fp8=row["fp8"], bandwidth=bandwidth)
+            for budget in args.budgets
+        ]
         row["fp8_over_bf16_dlo"] = row["fp8"]["dlo_s"] / row["bf16"]["dlo_s"]
         report["results"][resolution] = row
     return report
@@ -227,6 +277,15 @@ def print_report(report: dict) -> None:
                 f"{r['floor_beside_copies_s']:.3f} s = {r['floor_over_limit']:.3f}x limit, "
                 f"copies at {r['copies_beside_compute_gbps']:.1f} GB/s beside compute"
             )
+        for b in row["fp8_budgets"]:
+            print(
+                f"{resolution}x{resolution} fp8, budget {b['budget_gib']} GiB: "
+                f"{b['resident_blocks']} blocks resident, streamed {b['block_gib']:.2f} GiB | "
+                f"bound {b['transfer_bound_s']:.3f} s | DLO {b['dlo_s']:.3f} s "
+                f"= {b['dlo_over_limit']:.3f}x limit | back to back {b['dlo_back_to_back_s']:.3f} s"
+                f" = {b['dlo_back_to_back_over_limit']:.3f}x limit | peak {b['peak_gib']:.2f} GiB"
+                f" | bitwise {b['bitwise_equal_to_resident']}"
+            )
         quality = row["fp8_vs_bf16"]
         print(
             f"{resolution}x{resolution}: FP8 DLO / bf16 DLO = {row['fp8_over_bf16_dlo']:.3f}; FP8 "
@@ -240,6 +299,13 @@ def main() -> None:
     parser.add_argument("--resolutions", type=int, nargs="+", default=[1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, help="Also write the report as JSON here.")
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=[],
+        help="Also run FP8 DLO within each of these GPU memory budgets (GiB).",
+    )
     parser.add_argument(
         "--torch-cast",
         action="store_true",
