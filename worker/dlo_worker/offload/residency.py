@@ -38,8 +38,9 @@ def resident_within_budget(block_bytes: list[int], available_bytes: int) -> set[
     Among placements whose streamed bytes are spread evenly over the positions of the
     order (one per streamed-byte target), the one keeping the most bytes resident wins:
     fewer streamed bytes lower the transfer bound, even spreading keeps the step at it.
-    Budget left over by that placement then keeps whichever further blocks still fit
-    (a block made resident only removes a copy).
+    Budget left over by that placement then keeps further blocks, spread through the
+    order (a block made resident only removes a copy); where no even spread fits, that is
+    the whole placement.
     """
     total = sum(block_bytes)
     if available_bytes >= total:
@@ -53,11 +54,34 @@ def resident_within_budget(block_bytes: list[int], available_bytes: int) -> set[
         resident_bytes = sum(block_bytes[index] for index in resident)
         if best_bytes < resident_bytes <= available_bytes:
             best, best_bytes = resident, resident_bytes
-    for index in sorted(range(len(block_bytes)), key=lambda i: -block_bytes[i]):
-        if index not in best and best_bytes + block_bytes[index] <= available_bytes:
-            best.add(index)
-            best_bytes += block_bytes[index]
-    return best
+    return best | _fill_spread(block_bytes, best, available_bytes - best_bytes)
+
+
+def _fill_spread(block_bytes: list[int], resident: set[int], left: int) -> set[int]:
+    """More blocks to keep in ``left`` bytes beside ``resident``: the largest first (each
+    removes the longest copy), and of blocks of one size, as many as fit spread evenly
+    through their positions.
+
+    This is the whole placement where no even spread of the streamed bytes fits (FP8
+    Flux below about 2.4 GiB: its double-stream blocks hold 2.4x the bytes of the single
+    ones for the same compute, and half of them must stay for an even spread). Taking
+    equal blocks in order instead kept the first ones, and the copies of the
+    double-stream blocks after them queued up all the same.
+    """
+    chosen: set[int] = set()
+    for size in sorted(set(block_bytes), reverse=True):
+        candidates = [
+            index
+            for index, nbytes in enumerate(block_bytes)
+            if nbytes == size and index not in resident
+        ]
+        if size <= 0:
+            chosen.update(candidates)
+            continue
+        count = min(len(candidates), left // size)
+        chosen.update(candidates[position] for position in spread_evenly(len(candidates), count))
+        left -= count * size
+    return chosen
 
 
 def _resident_streaming_evenly(block_bytes: list[int], streamed_target: float) -> set[int]:
