@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from dlo_worker.offload.residency import resident_within_budget
 from tests.support.two_slot_timeline import step_seconds
 
 # Half the bf16 bytes of tests/unit/test_residency.py's Flux blocks; the resident FP8 step
@@ -42,3 +43,19 @@ def test_more_positions_never_slow_the_step() -> None:
     ratios = [ratio(positions) for positions in range(2, 13)]
     assert ratios == sorted(ratios, reverse=True)
     assert ratios[-1] == pytest.approx(1.0, abs=0.002)
+
+
+@pytest.mark.parametrize("positions", [4, 6, 8, 10])
+def test_the_same_device_memory_does_more_as_resident_blocks(positions) -> None:
+    """Why DLO spends spare device memory on resident blocks (``gpu_memory_budget_gib``)
+    rather than on more slots: the memory of ``positions - 2`` more FP8 slots, holding
+    blocks instead, removes their copies and lets the copies of the streamed blocks
+    overlap their compute, at either copy rate."""
+    extra = (positions - 2) * max(FP8_BLOCK_BYTES)
+    resident = resident_within_budget(FP8_BLOCK_BYTES, extra)
+    for bytes_per_second in (H2D, 52e9):
+        lookahead = step_seconds(
+            FP8_BLOCK_BYTES, set(), FP8_COMPUTE, bytes_per_second, positions=positions
+        )
+        kept = step_seconds(FP8_BLOCK_BYTES, resident, FP8_COMPUTE, bytes_per_second)
+        assert kept < lookahead
