@@ -164,6 +164,20 @@ def streamed(
         backend.disable()
 
 
+def against_limits(
+    dlo: dict, resident_s: float, resident_back_to_back_s: float, bandwidth: float
+) -> dict:
+    """A DLO row's transfer bound (its streamed bytes at ``bandwidth`` GB/s) and its steps
+    against max(resident step, bound), each timing against the resident step timed alike."""
+    bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
+    return {
+        "transfer_bound_s": bound_s,
+        "dlo_over_limit": dlo["dlo_s"] / max(resident_s, bound_s),
+        "dlo_back_to_back_over_limit": dlo["dlo_back_to_back_s"]
+        / max(resident_back_to_back_s, bound_s),
+    }
+
+
 def budget_row(
     inputs: dict, device, repeats: int, budget_gib: float, *, fp8: dict, bandwidth: float
 ) -> dict:
@@ -177,14 +191,10 @@ def budget_row(
     dlo = streamed(model, inputs, repeats, device, output, budget_gib=budget_gib)
     del model, output
     release(device)
-    bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
     row = {
         "budget_gib": budget_gib,
         **dlo,
-        "transfer_bound_s": bound_s,
-        "dlo_over_limit": dlo["dlo_s"] / max(fp8["resident_s"], bound_s),
-        "dlo_back_to_back_over_limit": dlo["dlo_back_to_back_s"]
-        / max(fp8["resident_back_to_back_s"], bound_s),
+        **against_limits(dlo, fp8["resident_s"], fp8["resident_back_to_back_s"], bandwidth),
     }
     print(f"  budget {budget_gib} GiB: {row}", flush=True)
     return row
@@ -221,19 +231,16 @@ def run(args: argparse.Namespace) -> dict:
             elif variant == "fp8":
                 row["fp8_vs_bf16"] = fidelity(output, reference)
             dlo = streamed(model, inputs, args.repeats, device, output)
-            bound_s = dlo["block_bytes"] / (bandwidth * 1e9)
+            limits = against_limits(dlo, resident_s, resident_back_to_back_s, bandwidth)
             row[variant] = {
                 "resident_s": resident_s,
                 **dlo,
-                "transfer_bound_s": bound_s,
-                "dlo_over_limit": dlo["dlo_s"] / max(resident_s, bound_s),
+                **limits,
                 "resident_back_to_back_s": resident_back_to_back_s,
                 "blocks": blocks,
                 "floor_beside_copies_s": floor_s,
                 "copies_beside_compute_gbps": beside_gbps,
-                "floor_over_limit": floor_s / max(resident_s, bound_s),
-                "dlo_back_to_back_over_limit": dlo["dlo_back_to_back_s"]
-                / max(resident_back_to_back_s, bound_s),
+                "floor_over_limit": floor_s / max(resident_s, limits["transfer_bound_s"]),
             }
             del model, output
             release(device)

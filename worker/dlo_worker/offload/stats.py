@@ -42,8 +42,8 @@ class OffloadStats:
     ring_idle_seconds: float
     """Summed over the ring's packers: nothing submitted to pack."""
     ring_full_wait_seconds: float
-    """Summed over the ring's packers: a chunk to pack, its ring slot still being copied
-    out (the copy engine is the bottleneck)."""
+    """Summed over the ring's packers: a chunk to pack, its ring slot not free yet (split
+    by ``ring_copy_wait_seconds``)."""
     ring_copy_wait_seconds: float
     """The part of ``ring_full_wait_seconds`` spent waiting for the slot's copy itself;
     the rest waited for the feeder to put the slot's previous chunk on the stream (the

@@ -163,8 +163,9 @@ class RingCounters:
     idle_seconds: float
     """Summed over packers: no chunk submitted to pack (the model computes)."""
     ring_full_wait_seconds: float
-    """Summed over packers: a chunk to pack but its ring slot still being copied out (the
-    copy engine is behind the packers: where a copy-bound step spends its time)."""
+    """Summed over packers: a chunk to pack but its ring slot not free yet, its previous
+    chunk still being copied out or not yet on the stream (``copy_wait_seconds`` says
+    how much was the copy)."""
     copy_wait_seconds: float
     """The part of ``ring_full_wait_seconds`` spent waiting for the slot's copy to finish
     (the rest waited for the feeder to put the slot's previous chunk on the stream)."""
