@@ -371,6 +371,15 @@ def paired_rounds(pinned: tuple, staged: tuple, inputs: dict, rounds: int, repea
     return summary
 
 
+def worker_chunk_mib(threads: int, depth: int) -> int:
+    """The ring chunk size (MiB) the worker chooses on this machine for ``threads`` packers
+    with ``depth`` chunks each, so a ``--ring-chunk-mib 0`` run is named by its size and
+    not run twice beside the same size given explicitly."""
+    from dlo_worker.offload.config import last_level_cache_bytes, ring_chunk_bytes
+
+    return ring_chunk_bytes(last_level_cache_bytes(), threads, depth) // 2**20
+
+
 def staging_runs(
     directory: Path,
     device: torch.device,
@@ -384,13 +393,19 @@ def staging_runs(
     """The checkpoint-mmap staging path for each ``--pack-threads`` and ``--staging`` kind
     (each ``--staging-buffers`` depth, each ``--ring-chunk-mib``); with ``pinned`` (the
     pinned path's module and backend, still enabled) also ``--paired-rounds`` against it."""
-    runs = [
-        (threads, kind, size, depth)
-        for threads in args.pack_threads
-        for kind in args.staging
-        for size in (args.ring_chunk_mib if kind == "ring" else args.staging_buffers)
-        for depth in (args.ring_depth if kind == "ring" else [0])
-    ]
+    runs = list(
+        dict.fromkeys(
+            (threads, kind, size, depth)
+            for threads in args.pack_threads
+            for kind in args.staging
+            for depth in (args.ring_depth if kind == "ring" else [0])
+            for size in (
+                [size or worker_chunk_mib(threads, depth) for size in args.ring_chunk_mib]
+                if kind == "ring"
+                else args.staging_buffers
+            )
+        )
+    )
     for threads, kind, size, depth in runs:
         started = time.perf_counter()
         skeleton, backend = checkpoint_backed(
@@ -432,6 +447,7 @@ def staging_runs(
                 )
         stats = backend.stats()
         report[f"staging_{run}"] = {
+            "worker_default": kind == "ring" and size == worker_chunk_mib(threads, depth),
             "setup_s": setup_s,
             "pack_gbps": stats.pack_gbps,
             "pack_wait_s": stats.pack_wait_seconds,
@@ -458,6 +474,10 @@ def staging_runs(
 
 
 def print_report(report: dict) -> None:
+    print(
+        f"{report['gpu']}, {report['cpus']} CPUs, last-level cache "
+        f"{report['last_level_cache_mib']:.0f} MiB, pinned H2D {report['pinned_h2d_gbps']:.1f} GB/s"
+    )
     for threads, rate in report["pack_gbps_by_threads"].items():
         print(
             f"pack {threads:>2} thread(s): {rate:6.1f} GB/s = {rate / ANCHOR_PACK_GBPS[1]:.2f}x "
@@ -575,6 +595,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     from dlo_worker.offload import enable_dlo
+    from dlo_worker.offload.config import last_level_cache_bytes
 
     args = parse_args()
     device = torch.device("cuda", 0)
@@ -582,6 +603,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "cpus": len(os.sched_getaffinity(0)),
+        "last_level_cache_mib": (last_level_cache_bytes() or 0) / 2**20,
         "pinned_h2d_gbps": pinned_h2d_gbps(device),
         "results": {},
     }
