@@ -17,6 +17,14 @@ the pinned buffers are made, ``--busy`` repeats the streaming runs beside a thre
 launching kernels from Python. No model runs: what DLO's hooks add is measured by
 ``bench/flux_staging.py``. Results and conclusions: docs/benchmarks.md.
 
+``--beside`` asks why the copy engine reads the ring slower than private pinned memory on
+some hosts. It times chunked H2D copies out of a big pinned buffer and out of a ring-sized
+one, alone and while ``--threads`` threads pack the mapping with ``memmove`` into a buffer
+of their own or into the very buffer being copied (the ring's pattern without its
+synchronization). Slower copies beside packing into a buffer of their own mean the packers'
+memory traffic is what slows the copies; slower copies only beside packing into the same
+buffer mean the copy engine's reads of freshly written lines are.
+
 Run: ``python bench/staging_ring_probe.py --gib 8``.
 """
 
@@ -241,6 +249,96 @@ def ring_rate(
     return total / (time.perf_counter() - started) / 1e9
 
 
+def copies_beside_packing(
+    source: torch.Tensor,
+    device_buffer: torch.Tensor,
+    region: torch.Tensor,
+    *,
+    chunk: int,
+    threads: int,
+    pack_into: str,
+    total: int,
+) -> tuple[float, float]:
+    """GB/s of ``total`` bytes copied to the device in ``chunk``-sized copies cycling through
+    the pinned ``region``, and of the packing beside them: ``threads`` threads ``memmove``
+    the mapping ``source`` chunk by chunk into ``region`` itself (``same``), into a buffer of
+    the region's size of their own (``other``), or do not run (``none``)."""
+    target = region if pack_into == "same" else torch.empty_like(region)
+    stop, packed = threading.Event(), [0] * threads
+    span = target.numel() // max(threads, 1) // chunk * chunk
+    source_address, source_chunks = source.data_ptr(), source.numel() // chunk
+
+    def pack(owner: int) -> None:
+        # Integer addresses only: the loop holds the GIL for little more than the call.
+        slot_address, index, offset = target.data_ptr() + owner * span, owner, 0
+        while not stop.is_set():
+            ctypes.memmove(
+                slot_address + offset, source_address + index % source_chunks * chunk, chunk
+            )
+            packed[owner] += chunk
+            index, offset = index + threads, (offset + chunk) % span
+
+    copies = [
+        (
+            device_buffer[index * chunk % device_buffer.numel() :][:chunk],
+            region[index * chunk % region.numel() :][:chunk],
+        )
+        for index in range(total // chunk)
+    ]
+    workers = [
+        threading.Thread(target=pack, args=(owner,))
+        for owner in range(threads if pack_into != "none" else 0)
+    ]
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for worker in workers:
+        worker.start()
+    time.sleep(0.2)  # packers at their steady rate before the copies start
+    packed_before, started = sum(packed), time.perf_counter()
+    with torch.cuda.stream(stream):
+        for destination, chunk_source in copies:
+            destination.copy_(chunk_source, non_blocking=True)
+    stream.synchronize()
+    elapsed = time.perf_counter() - started
+    packed_during = sum(packed) - packed_before
+    stop.set()
+    for worker in workers:
+        worker.join()
+    return total / elapsed / 1e9, packed_during / elapsed / 1e9
+
+
+def beside_runs(source, device_buffer, args, record) -> None:
+    """``--beside``: chunked copies out of a big and a ring-sized pinned buffer, alone and
+    beside packing (see the module's docstring)."""
+    big = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
+    total = min(source.numel(), 8 * 2**30)
+    for chunk_mib, threads in itertools.product(args.chunk_mib, args.threads):
+        chunk = chunk_mib * MIB
+        ring = torch.empty(threads * 2 * chunk, dtype=torch.uint8, pin_memory=True)
+        ring_mib = ring.numel() // MIB
+        cases = [
+            ("1GiB", big, "none"),
+            ("1GiB", big, "other"),
+            (f"{ring_mib}MiB", ring, "none"),
+            (f"{ring_mib}MiB", ring, "other"),
+            (f"{ring_mib}MiB", ring, "same"),
+        ]
+        for name, region, pack_into in cases:
+            copies, packs = copies_beside_packing(
+                source,
+                device_buffer,
+                region,
+                chunk=chunk,
+                threads=threads,
+                pack_into=pack_into,
+                total=total,
+            )
+            label = f"beside {chunk_mib}MiB copies of {name}, {threads}t pack {pack_into}"
+            record(label, copies)
+            if pack_into != "none":
+                record(f"{label}: packed", packs)
+
+
 def machine() -> dict:
     info: dict = {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     cache = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -257,7 +355,7 @@ def machine() -> dict:
     return info
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--chunk-mib", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -269,10 +367,19 @@ def main() -> None:
     )
     parser.add_argument("--skip-pack-only", action="store_true")
     parser.add_argument(
+        "--beside",
+        action="store_true",
+        help="Only time chunked copies beside packing (see the module's docstring).",
+    )
+    parser.add_argument(
         "--pinning", nargs="+", choices=sorted(PINNING), default=["alloc"], help=str(PINNING)
     )
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     report: dict = {"machine": machine(), "torch": torch.__version__, "rates_gbps": {}}
     print(json.dumps(report["machine"]), flush=True)
     nbytes = int(args.gib * 2**30)
@@ -291,6 +398,9 @@ def main() -> None:
             print(f"{name:<40} {rate:6.1f} GB/s", flush=True)
 
         record("pinned", pinned_rate(device_buffer, nbytes))
+        if args.beside:
+            beside_runs(source, device_buffer, args, record)
+            args.copy = []
         default_threads = torch.get_num_threads()
         fd = os.open(path, os.O_RDONLY)
         for kind in [] if args.skip_pack_only else args.copy:
