@@ -184,12 +184,14 @@ def test_an_unknown_staging_is_refused() -> None:
         (300, 12, 4),
         (300, 8, 4),
         (300, 4, 8),
-        (105, 12, 1),
-        (105, 8, 2),
+        # A 105 MiB L3 (lease 15's H100 host): 4 MiB chunks although a 96 MiB ring takes
+        # more than a third of it; 1 MiB chunks copied out at 18-21 GB/s (lease 16).
+        (105, 12, 4),
+        (105, 8, 4),
         (105, 2, 8),
         (32, 1, 4),
-        # Never below 1 MiB, never above 8 MiB.
-        (8, 8, 1),
+        # Never below 4 MiB, never above 8 MiB.
+        (8, 8, 4),
         (4096, 1, 8),
         # Unknown cache.
         (None, 8, 4),

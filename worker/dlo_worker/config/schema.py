@@ -302,7 +302,7 @@ class OffloadOptions(Options):
     dlo_staging_chunk_mib: Annotated[int, Field(ge=1, le=256)] | None = Field(
         default=None,
         description="Chunk size (MiB) of the staging ring; default: from the CPU's last-level "
-        "cache (the ring, two chunks per pack thread, takes at most a third of it; 1-8 MiB).",
+        "cache (the ring, two chunks per pack thread, takes at most a third of it; 4-8 MiB).",
     )
     dlo_pack_threads: Annotated[int, Field(ge=1, le=64)] | None = Field(
         default=None,

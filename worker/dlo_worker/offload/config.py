@@ -24,9 +24,16 @@ RING_CACHE_SHARE = 3
 """The staging ring takes at most 1/RING_CACHE_SHARE of the CPU's last-level cache: the
 packers' reads of the mapping and the other threads' data share it with the ring (a
 96 MiB ring ran as fast as a 64 MiB one on a 300 MiB L3; a 256 MiB one was slower)."""
-RING_CHUNK_BOUNDS = (2**20, 8 * 2**20)
-"""Below 1 MiB a chunk's copy costs more to order than to run; above 8 MiB the ring no
-longer fits the cache of the machines measured (docs/benchmarks.md)."""
+RING_CHUNK_BOUNDS = (4 * 2**20, 8 * 2**20)
+"""Smaller chunks are copied out of the ring far slower than their size alone explains: on
+an H100 host with 2 MiB of L2 per core, 12 packers' 2 MiB chunks went to the GPU at
+24-48 GB/s and 1 MiB chunks at 18-21 GB/s (1.8-2.0x private pinned), where chunks of the
+same sizes from idle pinned memory copy at 48-52 GB/s and 4 MiB ring chunks at 49-52 GB/s.
+The copy engine is slowed most by lines the CPU has just written (the ``--beside`` probe of
+``bench/staging_ring_probe.py``), and a chunk that fits its packer's L2 is likely still
+dirty there when its copy starts. So the floor holds even where the ring then takes more
+than its share of a small last-level cache. Above 8 MiB the ring no longer fits the cache
+of the machines measured (docs/benchmarks.md)."""
 
 StagingChoice = Literal["auto", "ring", "buffers"]
 
@@ -48,10 +55,10 @@ def ring_chunk_bytes(
 ) -> int:
     """The staging ring's chunk size for a machine: the largest power of two whose ring
     (``chunks_per_thread`` per pack thread) takes at most a third of the last-level cache, within
-    :data:`RING_CHUNK_BOUNDS`; 4 MiB when the cache size is unknown."""
+    :data:`RING_CHUNK_BOUNDS`; the smallest bound when the cache size is unknown."""
     low, high = RING_CHUNK_BOUNDS
     if not last_level_cache_bytes:
-        return 4 * 2**20
+        return low
     share = last_level_cache_bytes // (RING_CACHE_SHARE * chunks_per_thread * pack_threads)
     chunk = low
     while chunk * 2 <= min(share, high):
