@@ -28,10 +28,11 @@ them moved.
 Staging runs once per ``--staging-buffers`` depth (packs run up to depth - 1 blocks ahead
 of the copies) and, with ``--staging ring``, once per ``--ring-chunk-mib`` through the
 native chunk ring (the worker's default; 0 MiB: the chunk size the worker chooses for
-this machine). Each ring run records where the ring's threads spent their time (packing,
-idle, waiting for a ring slot's copy, the feeder waiting for packs, the model waiting
-for a block's last chunk), so a slow run explains itself; every run and the pinned path
-also record the CPU time the hypervisor gave other guests meanwhile (``host_steal_s``).
+this machine, run once where it equals a size also given). Each ring run records where
+the ring's threads spent their time (packing, idle, waiting for a ring slot's copy, the
+feeder waiting for packs, the model waiting for a block's last chunk), so a slow run
+explains itself; every run and the pinned path also record the CPU time the hypervisor
+gave other guests meanwhile (``host_steal_s``).
 
 It also measures the pack rate from the mapping into pinned memory for 1..N threads,
 against the single-thread host-copy anchor of docs/limits.md (30-34 GB/s).
