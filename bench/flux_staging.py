@@ -376,9 +376,10 @@ def worker_chunk_mib(threads: int, depth: int) -> int:
     """The ring chunk size (MiB) the worker chooses on this machine for ``threads`` packers
     with ``depth`` chunks each, so a ``--ring-chunk-mib 0`` run is named by its size and
     not run twice beside the same size given explicitly."""
-    from dlo_worker.offload.config import last_level_cache_bytes, ring_chunk_bytes
+    from dlo_worker.offload import OffloadConfig
 
-    return ring_chunk_bytes(last_level_cache_bytes(), threads, depth) // 2**20
+    config = OffloadConfig(pack_threads=threads, staging_ring_chunks_per_thread=depth)
+    return config.ring_chunk_bytes // 2**20
 
 
 def staging_runs(

@@ -400,10 +400,10 @@ def main() -> None:
         record("pinned", pinned_rate(device_buffer, nbytes))
         if args.beside:
             beside_runs(source, device_buffer, args, record)
-            args.copy = []
+        streamed_copies = [] if args.beside else args.copy
         default_threads = torch.get_num_threads()
         fd = os.open(path, os.O_RDONLY)
-        for kind in [] if args.skip_pack_only else args.copy:
+        for kind in [] if args.skip_pack_only else streamed_copies:
             torch.set_num_threads(1 if kind == "torch1" else default_threads)
             for threads in args.threads:
                 big = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
@@ -417,7 +417,7 @@ def main() -> None:
             (False, True) if args.busy else (False,), args.pinning
         ):
             suffix = (" +busy" if busy else "") + ("" if pinning == "alloc" else f" {pinning}")
-            for kind in args.copy:
+            for kind in streamed_copies:
                 torch.set_num_threads(1 if kind == "torch1" else default_threads)
                 copy = host_copy(kind, fd)
                 for threads in args.threads:
