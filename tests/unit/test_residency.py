@@ -42,19 +42,26 @@ def test_budget_placement_spreads_streamed_bytes_not_block_counts() -> None:
     streamed = [0 if index in chosen else size for index, size in enumerate(FLUX_BLOCK_BYTES)]
     total = sum(streamed)
     for position in range(len(streamed)):
-        even_share = total * (position + 1) / len(streamed)
-        assert abs(sum(streamed[: position + 1]) - even_share) <= max(FLUX_BLOCK_BYTES)
+        so_far = sum(streamed[: position + 1])
+        # Never ahead of an even share (the copies lag the compute that hides them) and
+        # never a whole block behind it.
+        assert so_far <= total * (position + 1) / len(streamed) + 1
+        assert so_far >= total * position / len(streamed) - max(FLUX_BLOCK_BYTES)
 
 
-def test_flux_class_budgets_stay_within_five_percent_of_the_bound() -> None:
-    """The issue's goal on the timeline model, at every half GiB from 4 to 24 GiB."""
+@pytest.mark.parametrize("synchronized", [False, True], ids=["back-to-back", "synchronized"])
+def test_flux_class_budgets_stay_within_five_percent_of_the_bound(synchronized: bool) -> None:
+    """The issue's goal on the timeline model, at every half GiB from 4 to 24 GiB, also
+    for a step timed on its own (the nearest-share spread reached 1.060x there at 15 GiB:
+    it streamed the first block, so each synchronized step began with a bare copy)."""
     worst = 0.0
     for half_gib in range(8, 49):
         available = half_gib * GIB // 2 - FLUX_NON_BLOCK_AND_SLOTS
         chosen = resident_within_budget(FLUX_BLOCK_BYTES, available)
         streamed = sum(size for i, size in enumerate(FLUX_BLOCK_BYTES) if i not in chosen)
         bound = max(sum(FLUX_COMPUTE), streamed / H2D)
-        worst = max(worst, step_seconds(FLUX_BLOCK_BYTES, chosen, FLUX_COMPUTE, H2D) / bound)
+        step = step_seconds(FLUX_BLOCK_BYTES, chosen, FLUX_COMPUTE, H2D, synchronized=synchronized)
+        worst = max(worst, step / bound)
     assert worst <= 1.05
 
 
@@ -98,3 +105,17 @@ def test_more_memory_never_slows_the_fp8_step() -> None:
     steps = [fp8_step(tenths * GIB // 10)[0] for tenths in range(36)]
     assert all(later <= earlier + 1e-9 for earlier, later in pairwise(steps))
     assert steps[-1] == pytest.approx(sum(FP8_COMPUTE), rel=0.002)
+
+
+def test_a_step_timed_on_its_own_hides_its_first_copy_behind_the_first_block() -> None:
+    """From the budget that spreads FP8 Flux's copies evenly, the first block stays
+    resident and its compute hides the first copy, so a synchronized step (which starts
+    with no copy in flight) takes what one run back to back takes. Streaming the first
+    block cost each synchronized step its copy, 1.5% of the bound."""
+    for tenths in range(32, 60, 2):
+        available = tenths * GIB // 10
+        chosen = resident_within_budget(FP8_BLOCK_BYTES, available)
+        assert 0 in chosen
+        _, bound = fp8_step(available)
+        alone = step_seconds(FP8_BLOCK_BYTES, chosen, FP8_COMPUTE, H2D, synchronized=True)
+        assert alone / bound <= 1.005

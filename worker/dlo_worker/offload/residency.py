@@ -10,9 +10,10 @@ The blocks of a DiT do about the same work each (same hidden size, same tokens) 
 their bytes can differ widely: a Flux double-stream block holds 2.4x the bytes of a
 single-stream block for the same FLOPs, because its text-stream and modulation weights
 see few tokens. A budget is therefore spread by *bytes per position*: the streamed
-bytes up to any point of the order stay close to an even share of the streamed total,
-rather than an even share of the streamed block count (which, on Flux, put a third of
-the blocks but half of the bytes into the first third of the forward).
+bytes up to any point of the order stay within an even share of the streamed total
+for the positions before that point, rather than an even share of the streamed block
+count (which, on Flux, put a third of the blocks but half of the bytes into the first
+third of the forward).
 """
 
 from __future__ import annotations
@@ -85,13 +86,21 @@ def _fill_spread(block_bytes: list[int], resident: set[int], left: int) -> set[i
 
 
 def _resident_streaming_evenly(block_bytes: list[int], streamed_target: float) -> set[int]:
-    """Stream a block whenever that keeps the streamed bytes so far closest to an even
-    share of ``streamed_target`` (error diffusion along the order); keep the rest."""
+    """Stream a block only where the streamed bytes up to and including it stay within an
+    even share of ``streamed_target`` for the positions *before* it; keep the rest.
+
+    A forward's copies start as it starts (:mod:`~dlo_worker.offload.schedule`), so a
+    block's copy has the compute of the blocks before it to hide behind, never its own.
+    Spreading so that the copies lag the compute keeps the first block resident and hides
+    the first copy behind it: a step timed on its own (synchronized) then matches one run
+    back to back. Rounding to the nearest share instead streamed the first block, whose
+    copy then stalled the start of every synchronized step.
+    """
     count = len(block_bytes)
     resident: set[int] = set()
     streamed = 0
     for index, nbytes in enumerate(block_bytes):
-        if streamed + nbytes / 2 <= streamed_target * (index + 1) / count:
+        if streamed + nbytes <= streamed_target * index / count:
             streamed += nbytes
         else:
             resident.add(index)
