@@ -82,6 +82,47 @@ def test_an_interleaved_forward_is_prefetched_after_the_first_forward() -> None:
     assert result.stats.order_changes == 1
 
 
+def _non_block_and_block_bytes(model: nn.Module) -> tuple[int, int]:
+    block = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    layer_ids = {id(p) for layer in model.layers for p in layer.parameters()}
+    non_block = sum(
+        t.numel() * t.element_size()
+        for t in [*model.parameters(), *model.buffers()]
+        if id(t) not in layer_ids
+    )
+    return non_block, block
+
+
+@pytest.mark.parametrize("keeping_resident", [False, True], ids=["all-streamed", "budget"])
+def test_the_next_forward_is_prefetched_only_where_every_block_streams(
+    keeping_resident: bool,
+) -> None:
+    """All streamed, the last blocks of a forward load the first two of the next (the
+    step is bound by its copies; back to back the copy engine must not idle between
+    forwards). With resident blocks (a budget for three of six equal blocks keeps blocks
+    0, 1 and 4), each forward loads only its own blocks, the first as it starts: a step
+    synchronized afterwards leaves no copy of the next in flight and pays for its own.
+    No block is ever loaded on demand."""
+    case = plain_stack(blocks=6)
+    budget: dict[str, float] = {}
+    if keeping_resident:
+        non_block, block = _non_block_and_block_bytes(case.model)
+        budget["gpu_memory_budget_gib"] = (non_block + 5 * block) / 2**30
+    backend = enable_dlo(case.model, device=CPU, **budget)
+    try:
+        streamed = backend.stats().streamed_blocks
+        assert streamed == (3 if keeping_resident else 6)
+        assert backend.stats().blocks_loaded == 1  # the first streamed block, at enable
+        for forwards in range(1, 4):
+            case.forward()
+            stats = backend.stats()
+            ahead = 0 if keeping_resident else 2
+            assert stats.blocks_loaded == forwards * streamed + ahead
+            assert stats.on_demand_loads == 0
+    finally:
+        backend.disable()
+
+
 def test_a_nested_block_list_streams_in_execution_order() -> None:
     """HunyuanVideo's token refiner blocks (a nested list) run before the main lists."""
     result = run_equivalence("hunyuan-video", CPU)
@@ -204,13 +245,7 @@ def test_packer_threads_end_with_disable() -> None:
 def test_a_gpu_memory_budget_keeps_as_many_blocks_resident_as_fit() -> None:
     """Budget = non-block weights + two slots + three of the six equal blocks."""
     case = plain_stack(blocks=6)
-    block = sum(p.numel() * p.element_size() for p in case.model.layers[0].parameters())
-    layer_ids = {id(p) for layer in case.model.layers for p in layer.parameters()}
-    non_block = sum(
-        t.numel() * t.element_size()
-        for t in [*case.model.parameters(), *case.model.buffers()]
-        if id(t) not in layer_ids
-    )
+    non_block, block = _non_block_and_block_bytes(case.model)
     budget_gib = (non_block + 2 * block + 3 * block) / 2**30
     resident = copy.deepcopy(case.model)
     backend = enable_dlo(case.model, device=CPU, gpu_memory_budget_gib=budget_gib)

@@ -236,6 +236,11 @@ class DistributedLayerwiseOffloadBackend:
                 # The two slots hold the next two blocks; the shard buffers or the staging
                 # buffers the ones after.
                 lookahead=max(shard_buffers + 1, self.config.staging_buffers),
+                keeping_resident=frozenset(
+                    id(dit.module)
+                    for dit in plan.dits
+                    if any(id(block) not in by_module for _, block in dit.blocks)
+                ),
             )
             packer = Packer(self.config.pack_threads)
             releases.callback(packer.close)
