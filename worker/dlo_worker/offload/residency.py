@@ -89,8 +89,9 @@ def _resident_streaming_evenly(block_bytes: list[int], streamed_target: float) -
     """Stream a block only where the streamed bytes up to and including it stay within an
     even share of ``streamed_target`` for the positions *before* it; keep the rest.
 
-    A forward's copies start as it starts (:mod:`~dlo_worker.offload.schedule`), so a
-    block's copy has the compute of the blocks before it to hide behind, never its own.
+    With blocks resident, a forward's copies start as it starts
+    (:mod:`~dlo_worker.offload.schedule`), so a block's copy has the compute of the blocks
+    before it to hide behind, never its own.
     Spreading so that the copies lag the compute keeps the first block resident and hides
     the first copy behind it: a step timed on its own (synchronized) then matches one run
     back to back. Rounding to the nearest share instead streamed the first block, whose
