@@ -542,7 +542,7 @@ def parse_args() -> argparse.Namespace:
         type=int,
         nargs="+",
         default=[OffloadConfig().pack_threads],
-        help="Default: the worker's (this process's share of the CPUs, at most 12).",
+        help="Default: the worker's (this process's share of the CPUs less 2, at most 8).",
     )
     parser.add_argument("--staging-buffers", type=int, nargs="+", default=[3])
     parser.add_argument(

@@ -374,7 +374,7 @@ class StagingOptions(_Api):
         ge=1,
         le=64,
         description="Threads per rank that pack mapped blocks (default: the rank's share of "
-        "the CPUs it may run on, at most 12).",
+        "the CPUs it may run on less 2, at most 8).",
     )
 
 

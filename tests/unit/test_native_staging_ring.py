@@ -6,6 +6,8 @@ queue has entries; close lands fills nobody waited for."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from dlo_worker.offload.config import (
     RING_CACHE_SHARE,
     RING_CHUNK_BOUNDS,
     last_level_cache_bytes,
+    pack_threads_for,
     ring_chunk_bytes,
 )
 from dlo_worker.offload.feeds import ring as ring_feed
@@ -180,9 +183,10 @@ def test_an_unknown_staging_is_refused() -> None:
 @pytest.mark.parametrize(
     ("cache_mib", "threads", "chunk_mib"),
     [
-        # The 16-CPU H200 host (300 MiB L3): 12 packers, 24 chunks in 96 MiB.
-        (300, 12, 4),
+        # The 16-CPU hosts (300 MiB L3): 8 packers (the default), 16 chunks in 64 MiB;
+        # 12 (set by flag), 24 in 96 MiB.
         (300, 8, 4),
+        (300, 12, 4),
         (300, 4, 8),
         # A 105 MiB L3 (lease 15's H100 host): 4 MiB chunks although a 96 MiB ring takes
         # more than a third of it; 1 MiB chunks copied out at 18-21 GB/s (lease 16).
@@ -203,6 +207,36 @@ def test_the_chunk_size_follows_the_last_level_cache(cache_mib, threads, chunk_m
     assert chunk == chunk_mib * 2**20
     if cache is not None and chunk > RING_CHUNK_BOUNDS[0]:
         assert 2 * threads * chunk <= cache // RING_CACHE_SHARE
+
+
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "threads"),
+    [
+        # The 16-CPU H100 and H200 hosts, one rank: 8 packers (12 went to 1.20-1.24x
+        # private pinned beside another process's memory traffic, 8 stayed within 1.08x).
+        (16, 1, 8),
+        # Many CPUs: still 8, past the copy engine's rate more only compete for memory.
+        (208, 8, 8),
+        (32, 1, 8),
+        # Two ranks on 16 CPUs: each keeps a CPU for its model thread and its feeder.
+        (16, 2, 6),
+        (8, 1, 6),
+        (4, 1, 2),
+        # Too few CPUs for the rule: one packer.
+        (2, 1, 1),
+        (1, 1, 1),
+        (16, 16, 1),
+    ],
+)
+def test_the_packers_leave_the_ranks_busy_threads_a_cpu_each(cpus, ranks, threads) -> None:
+    assert pack_threads_for(cpus, ranks) == threads
+
+
+def test_the_default_packers_follow_this_processs_cpus_and_ranks(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cpus = len(os.sched_getaffinity(0))
+    assert OffloadConfig().pack_threads == pack_threads_for(cpus, 2)
+    assert OffloadConfig().pack_threads <= max(1, cpus // 2)
 
 
 def test_the_configured_chunk_size_wins_over_the_machines() -> None:

@@ -15,11 +15,19 @@ from typing import Literal
 
 import torch.distributed as dist
 
-MAX_PACK_THREADS = 12
-"""Packers per process at most. The ring's packers must outpace the copy engine with a
-margin: 8 pack about 55-64 GB/s on the 16-CPU H200 host, barely above its 52 GB/s copies,
-so a host slowdown of a few percent made the step pack-bound (up to 1.62x private pinned);
-12 pack 77-96 GB/s and sleep on the ring's events meanwhile (docs/benchmarks.md)."""
+MAX_PACK_THREADS = 8
+"""Packers per process at most. Eight pack 55-61 GB/s, above the copy engine's 52 GB/s, and
+on a quiet host stepped as fast as twelve (docs/benchmarks.md, leases 4, 5 and 7). Beside
+other work they are far more robust: with four threads of another process copying host
+memory, twelve packers went to 1.20-1.24x private pinned and eight stayed within
+1.04-1.08x, on a 300 MiB and on a 105 MiB last-level cache (leases 19 and 20); with four
+busy CPU-only processes, 1.11-1.15x against 1.05-1.07x on the first. Twelve packers burst
+at 75-92 GB/s, taking memory bandwidth from the copy engine's reads, and with the other
+work they oversubscribe the CPUs, so a woken packer waits for a CPU while the copies
+already queued run out."""
+BUSY_THREADS_PER_RANK = 2
+"""Threads of a rank that run beside its packers all the time: the one that launches the
+model's kernels and the staging ring's feeder. The packers leave them a CPU each."""
 RING_CACHE_SHARE = 3
 """The staging ring takes at most 1/RING_CACHE_SHARE of the CPU's last-level cache: the
 packers' reads of the mapping and the other threads' data share it with the ring (a
@@ -39,15 +47,22 @@ StagingChoice = Literal["auto", "ring", "buffers"]
 
 
 def default_pack_threads() -> int:
-    """This process's share of the CPUs it may run on (ranks of a node split them), up to
-    :data:`MAX_PACK_THREADS`.
+    """This process's share of the CPUs it may run on (ranks of a node split them), less
+    its :data:`BUSY_THREADS_PER_RANK`, up to :data:`MAX_PACK_THREADS`.
 
     Packing is memory-bound: past a margin over the copy engine's rate, more threads only
-    compete with the other ranks and with the device copies for memory bandwidth.
+    compete with the other ranks and with the device copies for memory bandwidth, and a
+    packer that has to wait for a CPU holds back the copies behind its chunk.
     """
-    cpus = len(os.sched_getaffinity(0))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(MAX_PACK_THREADS, cpus // max(ranks_here, 1)))
+    return pack_threads_for(
+        len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    )
+
+
+def pack_threads_for(cpus: int, ranks_here: int) -> int:
+    """:func:`default_pack_threads` for ``cpus`` CPUs shared by ``ranks_here`` ranks (pure)."""
+    share = cpus // max(ranks_here, 1)
+    return max(1, min(MAX_PACK_THREADS, share - BUSY_THREADS_PER_RANK))
 
 
 def ring_chunk_bytes(
