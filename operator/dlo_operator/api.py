@@ -439,8 +439,12 @@ class Resources(_Api):
     cpu: Quantity | None = Field(
         default=None, description="CPU request per Pod (default: gpusPerNode x cpuPerRank)."
     )
-    cpu_per_rank: Quantity = Field(
-        default="4", description="CPU request of one rank when `cpu` is not set."
+    cpu_per_rank: Quantity | None = Field(
+        default=None,
+        description="CPU request of one rank when `cpu` is not set (default: where the rank "
+        "packs mapped blocks for its copies - rank-local DLO on GPUs without a pin limit - "
+        "its pack threads, offload.staging.packThreads or 8, plus 2 for its model thread "
+        "and the staging ring's feeder; else 4).",
     )
     memory: Quantity | None = Field(
         default=None,

@@ -22,10 +22,12 @@ from dlo_operator.render import (
     spec_hash,
     worker_arguments,
 )
+from dlo_operator.render import pod_spec as rendered_pod_spec
 from dlo_operator.workerconfig import InvalidSpecError, validate, worker_config
 from dlo_worker.cli.main import build_parser, config_from_args
 from dlo_worker.cli.main import main as worker_main
 from dlo_worker.config import ShardingGroup
+from dlo_worker.offload import config as offload_config
 from tests.support.deployments import deployment_spec
 
 OWNER = Owner(name="flux", namespace="serving", uid="1234")
@@ -205,10 +207,41 @@ def test_resources_default_per_rank_plus_the_pinned_budget_and_shm() -> None:
     assert "cpu" not in resources["limits"]
 
 
+@pytest.mark.parametrize(
+    ("offload", "cpu"),
+    [
+        # AllGather from pinned shards: nothing packs, 4 per rank.
+        ({}, "8"),
+        # Rank-local from the checkpoint mapping: 8 packers + model thread + feeder.
+        ({"useAllGather": False}, "20"),
+        ({"useAllGather": False, "runtimeCache": {"enabled": True}}, "20"),
+        ({"useAllGather": False, "staging": {"packThreads": 12}}, "28"),
+        # Registered: copied straight from the mapping, nothing packs.
+        ({"useAllGather": False, "runtimeCache": {"enabled": True, "pinLimitGiB": 30}}, "8"),
+    ],
+)
+def test_a_rank_that_packs_requests_a_cpu_per_busy_thread(offload, cpu) -> None:
+    resources = container(leader(spec(offload=offload)))["resources"]
+    assert resources["requests"]["cpu"] == cpu
+    assert "cpu" not in resources["limits"]
+
+
+def test_a_cpu_engine_never_requests_cpus_for_packers() -> None:
+    variant = spec(accelerator="none", offload={"useAllGather": False})
+    assert container(leader(variant))["resources"]["requests"]["cpu"] == "8"
+
+
+def test_the_operator_sizes_the_request_by_the_workers_own_defaults() -> None:
+    assert rendered_pod_spec.WORKER_PACK_THREADS == offload_config.MAX_PACK_THREADS
+    assert rendered_pod_spec.WORKER_BUSY_THREADS == offload_config.BUSY_THREADS_PER_RANK
+
+
 def test_resources_per_rank_figures_and_explicit_totals_override() -> None:
     tuned = container(leader(spec(resources={"cpuPerRank": "1500m", "memoryPerRank": "8Gi"})))
     assert tuned["resources"]["requests"]["cpu"] == "3"
     assert tuned["resources"]["limits"]["memory"] == "32Gi"  # 2 x 8 GiB + 16 GiB shm
+    packing = spec(offload={"useAllGather": False}, resources={"cpuPerRank": "3"})
+    assert container(leader(packing))["resources"]["requests"]["cpu"] == "6"
     explicit = container(leader(spec(resources={"memory": "200Gi", "cpu": "12"})))
     assert explicit["resources"]["requests"]["memory"] == "200Gi"
     assert explicit["resources"]["limits"]["memory"] == "200Gi"

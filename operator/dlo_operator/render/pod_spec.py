@@ -122,6 +122,43 @@ def cpu_quantity(value: Decimal) -> str:
     return str(millicores // 1000) if millicores % 1000 == 0 else f"{millicores}m"
 
 
+RANK_CPUS = Decimal(4)
+"""CPU request of a rank that does not pack its blocks (AllGather, pinned or registered)."""
+WORKER_PACK_THREADS = 8
+"""The worker's default pack threads where its CPUs allow (``MAX_PACK_THREADS``)."""
+WORKER_BUSY_THREADS = 2
+"""A packing rank's threads besides its packers: the one that launches the model's kernels
+and the staging ring's feeder (``BUSY_THREADS_PER_RANK``)."""
+
+
+def packs_mapped_blocks(spec: DiffusionDeploymentSpec) -> bool:
+    """Whether the ranks are expected to pack their blocks for every copy: rank-local DLO
+    on GPUs (the checkpoint mapping or the runtime cache is staged through pack threads)
+    without a pin limit (with one, the mapping is registered and copied directly)."""
+    return (
+        spec.accelerator == Accelerator.NVIDIA_GPU
+        and spec.offload.enabled
+        and not spec.offload.use_all_gather
+        and spec.offload.runtime_cache.pin_limit_gib == 0
+    )
+
+
+def rank_cpus(spec: DiffusionDeploymentSpec) -> Decimal:
+    """CPU request of one rank: ``resources.cpuPerRank``, else what its busy threads take.
+
+    A packing rank's pack threads, its model thread and its feeder run all the time; a
+    request below that lets other Pods' work share their CPUs, and beside four busy threads
+    of other work the staging ring went from 1.05x to 1.11-1.24x private pinned
+    (docs/benchmarks.md, leases 19 and 20).
+    """
+    if spec.resources.cpu_per_rank is not None:
+        return Decimal(parse_quantity(spec.resources.cpu_per_rank))
+    if not packs_mapped_blocks(spec):
+        return RANK_CPUS
+    packers = spec.offload.staging.pack_threads or WORKER_PACK_THREADS
+    return Decimal(packers + WORKER_BUSY_THREADS)
+
+
 def derived_memory_bytes(spec: DiffusionDeploymentSpec) -> Decimal:
     """Per-Pod memory when ``resources.memory`` is unset: the ranks plus the floor."""
     per_rank = parse_quantity(spec.resources.memory_per_rank)
@@ -133,9 +170,7 @@ def container_resources(spec: DiffusionDeploymentSpec) -> dict[str, dict[str, st
 
     No CPU limit: throttling would stall the pack threads and NCCL's proxy threads.
     """
-    cpu = spec.resources.cpu or cpu_quantity(
-        parse_quantity(spec.resources.cpu_per_rank) * spec.gpus_per_node
-    )
+    cpu = spec.resources.cpu or cpu_quantity(rank_cpus(spec) * spec.gpus_per_node)
     memory = spec.resources.memory or gib_quantity(derived_memory_bytes(spec))
     disk = spec.resources.ephemeral_storage
     gpus = {GPU_RESOURCE: str(spec.gpus_per_node)}
