@@ -16,15 +16,15 @@ from typing import Literal
 import torch.distributed as dist
 
 MAX_PACK_THREADS = 8
-"""Packers per process at most. Eight pack 55-61 GB/s, above the copy engine's 52 GB/s, and
-on a quiet host stepped as fast as twelve (docs/benchmarks.md, leases 4, 5 and 7). Beside
-other work they are far more robust: with four threads of another process copying host
-memory, twelve packers went to 1.20-1.24x private pinned and eight stayed within
-1.04-1.08x, on a 300 MiB and on a 105 MiB last-level cache (leases 19 and 20); with four
-busy CPU-only processes, 1.11-1.15x against 1.05-1.07x on the first. Twelve packers burst
-at 75-92 GB/s, taking memory bandwidth from the copy engine's reads, and with the other
-work they oversubscribe the CPUs, so a woken packer waits for a CPU while the copies
-already queued run out."""
+"""Packers per process at most. Eight pack 54-61 GB/s, just above the copy engine's 52 GB/s:
+on a quiet host they stepped as fast as twelve on leases 4, 5 and 7 and were a few percent
+slower on lease 21 (docs/benchmarks.md). Beside other work they are far more robust: with
+four threads of another process copying host memory, twelve packers went to 1.20-1.24x
+private pinned and eight stayed within 1.04-1.08x, on a 300 MiB and on a 105 MiB
+last-level cache (leases 19 and 20); with four busy CPU-only processes, 1.11-1.15x against
+1.05-1.07x on the first. Twelve packers burst at 75-92 GB/s, taking memory bandwidth from
+the copy engine's reads, and with the other work they oversubscribe the CPUs, so a woken
+packer waits for a CPU while the copies already queued run out."""
 BUSY_THREADS_PER_RANK = 2
 """Threads of a rank that run beside its packers all the time: the one that launches the
 model's kernels and the staging ring's feeder. The packers leave them a CPU each."""
