@@ -7,7 +7,9 @@ visible only in Pod events and in the logs of Pods deleted seconds later, while 
 deployment looked Healthy and its engine restarted every few seconds. The worker writes
 its one-line error to ``/dev/termination-log`` (and the container falls back to its last
 log lines), so the terminated state carries the cause; the waiting state and the Pod's
-``PodScheduled`` condition carry the others. A volume that cannot be mounted (a
+``PodScheduled`` condition carry the others; where the scheduler finds no node with room
+for a request the operator derived, the message says which field sets it
+(:func:`unschedulable_problem`). A volume that cannot be mounted (a
 missing model directory, a PVC that does not bind) leaves the Pod ``ContainerCreating``
 and is reported only in the Pod's ``FailedMount`` Events: a Pod stuck creating longer
 than :data:`MOUNT_REPORT_AFTER_S` has its Events read (:func:`mount_problem`). Restarts
@@ -18,9 +20,17 @@ does, and the backoff resets once the engine has served for :data:`BACKOFF_RESET
 from __future__ import annotations
 
 import datetime
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from dlo_operator.render.pod_spec import (
+    GPU_RESOURCE,
+    RANK_CPUS,
+    WORKER_BUSY_THREADS,
+    WORKER_PACK_THREADS,
+)
 
 IMAGE_PULL_REASONS = frozenset(
     {"ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName"}
@@ -32,6 +42,23 @@ MOUNT_EVENT_REASONS = frozenset({"FailedMount", "FailedAttachVolume", "FailedMap
 MOUNT_REPORT_AFTER_S = 20.0
 """A Pod still creating its containers this long after it was scheduled has its Events
 read: the kubelet retries a failed mount, so a first failure may clear by itself."""
+
+REQUEST_FIELDS = {
+    "cpu": (
+        f"resources.cpuPerRank or resources.cpu (by default {RANK_CPUS} per rank, or where "
+        f"ranks pack their blocks offload.staging.packThreads, else {WORKER_PACK_THREADS}, "
+        f"+ {WORKER_BUSY_THREADS})"
+    ),
+    "memory": (
+        "resources.memoryPerRank or resources.memory (the default adds the pinned budget "
+        "and shmSize)"
+    ),
+    "ephemeral-storage": "resources.ephemeralStorage",
+    GPU_RESOURCE: "gpusPerNode",
+}
+"""The spec fields that set each request of a worker Pod, named where no node has room."""
+INSUFFICIENT = re.compile(r"Insufficient ([a-z0-9./-]+?)[,.]?(?=\s|$)")
+"""The scheduler's ``<n> Insufficient <resource>`` in a ``PodScheduled`` message."""
 
 BACKOFF_BASE_S = 10.0
 BACKOFF_MAX_S = 300.0
@@ -52,8 +79,11 @@ class PodProblem:
     message: str
 
 
-def pod_problem(status: Mapping[str, Any]) -> PodProblem | None:
-    """The first reason this Pod status shows for not running, if any."""
+def pod_problem(
+    status: Mapping[str, Any], requests: Mapping[str, str] | None = None
+) -> PodProblem | None:
+    """The first reason this Pod status shows for not running, if any; ``requests`` are
+    the worker container's, named where the scheduler found no room for them."""
     containers = [
         *(status.get("initContainerStatuses") or []),
         *(status.get("containerStatuses") or []),
@@ -76,8 +106,25 @@ def pod_problem(status: Mapping[str, Any]) -> PodProblem | None:
             and condition.get("status") == "False"
             and condition.get("reason") == "Unschedulable"
         ):
-            return PodProblem("Unschedulable", _cut(condition.get("message") or "unschedulable"))
+            return unschedulable_problem(condition.get("message") or "", requests or {})
     return None
+
+
+def unschedulable_problem(message: str, requests: Mapping[str, str]) -> PodProblem:
+    """The scheduler's message, then, for each request it found no room for, the Pod's
+    request and the fields that set it: the scheduler names only the resource, and the
+    operator derives the CPU and memory requests (the CPU one from the pack threads)."""
+    hints = [
+        f"the Pod requests {resource} {requests[resource]}: set {REQUEST_FIELDS[resource]}"
+        for resource in dict.fromkeys(INSUFFICIENT.findall(message))
+        if resource in REQUEST_FIELDS and resource in requests
+    ]
+    said = message.strip() or "unschedulable"
+    if not hints:
+        return PodProblem("Unschedulable", _cut(said))
+    hint = "; ".join(hints)
+    room = max(MAX_MESSAGE_CHARACTERS - len(hint) - 2, 40)
+    return PodProblem("Unschedulable", f"{_cut(said.rstrip('.'), room)}; {hint}")
 
 
 def creating_since(status: Mapping[str, Any]) -> datetime.datetime | None:
@@ -119,10 +166,10 @@ def _said(container: str, what: str, state: Mapping[str, Any]) -> str:
     )
 
 
-def _cut(text: str) -> str:
-    if len(text) <= MAX_MESSAGE_CHARACTERS:
+def _cut(text: str, limit: int = MAX_MESSAGE_CHARACTERS) -> str:
+    if len(text) <= limit:
         return text
-    return text[: MAX_MESSAGE_CHARACTERS - 3] + "..."
+    return text[: limit - 3] + "..."
 
 
 def restart_delay_s(consecutive_restarts: int) -> float:

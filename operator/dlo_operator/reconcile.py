@@ -41,6 +41,7 @@ from dlo_operator.failures import (
 from dlo_operator.render import (
     ANNOTATION_CONFIG_HASH,
     ANNOTATION_SPEC_HASH,
+    CONTAINER,
     LABEL_ENGINE,
     LABEL_NODE_RANK,
     Owner,
@@ -106,9 +107,16 @@ class ObservedPod:
             phase=status.get("phase", "Pending"),
             ready=conditions.get("Ready") == "True",
             terminating=bool(metadata.get("deletionTimestamp")),
-            problem=pod_problem(status),
+            problem=pod_problem(status, _worker_requests(pod)),
             creating_since=creating_since(status),
         )
+
+
+def _worker_requests(pod: Mapping[str, Any]) -> dict[str, str]:
+    """The worker container's resource requests, as the Pod was created."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    worker: Mapping[str, Any] = next((c for c in containers if c.get("name") == CONTAINER), {})
+    return dict((worker.get("resources") or {}).get("requests") or {})
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,27 @@ def test_invalid_spec_creates_nothing_and_reports_why(api_client, operator, name
     assert _pods(api_client, namespace) == []
 
 
+def test_a_cpu_request_no_node_has_room_for_names_the_fields_that_set_it(
+    api_client, operator, namespace
+) -> None:
+    """The real scheduler says only "Insufficient cpu"; the request was derived from the
+    pack threads (40 + 2 per rank, 2 ranks), more than the 64 CPUs of the nodes."""
+    offload = {"useAllGather": False, "staging": {"packThreads": 40}}
+    create(api_client, namespace, manifest("packing", offload=offload))
+
+    def degraded() -> str | None:
+        status = _status(api_client, namespace, "packing")
+        condition = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), None)
+        if condition is None or condition["reason"] != "Unschedulable":
+            return None
+        return condition["message"]
+
+    message = eventually(degraded, 120, "Degraded Unschedulable")
+    assert "Insufficient cpu" in message
+    assert "the Pod requests cpu 84: set resources.cpuPerRank or resources.cpu" in message
+    assert "offload.staging.packThreads" in message
+
+
 def test_a_restarted_operator_adopts_its_pods_and_deletion_removes_every_child(
     api_client, cluster, crd, namespace, tmp_path: Path
 ) -> None:

@@ -151,6 +151,57 @@ def test_pods_that_cannot_start_are_reported_and_left_to_the_kubelet() -> None:
     assert 'secret "api-key" not found' in pod_problem(cases["ConfigError"]).message
 
 
+def unschedulable(message: str) -> dict[str, Any]:
+    condition = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    return {"phase": "Pending", "conditions": [{**condition, "message": message}]}
+
+
+PREEMPTION = " preemption: 0/3 nodes are available: 3 No preemption victims found for incoming pod."
+
+
+def test_a_request_no_node_has_room_for_is_named_with_the_fields_that_set_it() -> None:
+    """A rank that packs its blocks requests its pack threads + 2 CPUs (10 by default), more
+    than a small GPU node has; the scheduler says only "Insufficient cpu"."""
+    said = "0/3 nodes are available: 3 Insufficient cpu." + PREEMPTION
+    packing = pods(unschedulable(said), offload={"useAllGather": False})
+    actions = reconcile(OWNER, SPEC, 1, packing, DiffusionDeploymentStatus(), now=T0)
+    state, reason, message = degraded(actions.status)
+    assert (state, reason) == ("True", "Unschedulable")
+    assert message.startswith("engine 0: 0/3 nodes are available: 3 Insufficient cpu.")
+    assert message.endswith(
+        "; the Pod requests cpu 20: set resources.cpuPerRank or resources.cpu (by default 4 "
+        "per rank, or where ranks pack their blocks offload.staging.packThreads, else 8, + 2)"
+    )
+
+
+def test_each_insufficient_request_is_named_and_survives_a_long_scheduler_message() -> None:
+    said = (
+        "0/40 nodes are available: 12 Insufficient memory, 3 Insufficient nvidia.com/gpu, "
+        "2 Insufficient example.com/fpga, 25 node(s) had untolerated taint {gpu: true}."
+        + PREEMPTION
+        * 6
+    )
+    requests = {"cpu": "8", "memory": "48Gi", "nvidia.com/gpu": "2"}
+    problem = pod_problem(unschedulable(said), requests)
+    assert problem is not None
+    assert problem.reason == "Unschedulable"
+    assert problem.message.startswith("0/40 nodes are available: 12 Insufficient memory")
+    assert "..." in problem.message  # the scheduler's text is cut, the hints are not
+    assert problem.message.endswith(
+        "; the Pod requests memory 48Gi: set resources.memoryPerRank or resources.memory (the "
+        "default adds the pinned budget and shmSize); the Pod requests nvidia.com/gpu 2: set "
+        "gpusPerNode"
+    )
+    assert "example.com/fpga 2:" not in problem.message  # not a request the spec sets
+
+
+def test_an_unschedulable_pod_without_a_named_request_keeps_the_schedulers_words() -> None:
+    said = "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."
+    problem = pod_problem(unschedulable(said), {"cpu": "4"})
+    assert problem is not None
+    assert problem.message == said
+
+
 def test_a_long_log_tail_is_cut_to_its_last_line() -> None:
     tail = "".join(f"line {n}\n" for n in range(80)) + "RuntimeError: boom\n"
     problem = pod_problem(exited(tail, code=1))

@@ -27,6 +27,7 @@ from typing import Any
 from dlo_operator.api import DiffusionDeploymentSpec
 from dlo_operator.render.budget import budget_min_available, render_budget
 from dlo_operator.render.engine_pod import (
+    CONTAINER,
     NRI_ULIMIT_ANNOTATION,
     render_engine_pods,
     render_pod,
@@ -62,6 +63,7 @@ from dlo_operator.warming import warming_enabled
 __all__ = [
     "ANNOTATION_CONFIG_HASH",
     "ANNOTATION_SPEC_HASH",
+    "CONTAINER",
     "GPU_RESOURCE",
     "LABEL_DEPLOYMENT",
     "LABEL_ENGINE",
