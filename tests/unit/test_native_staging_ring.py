@@ -7,6 +7,7 @@ queue has entries; close lands fills nobody waited for."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +18,11 @@ from dlo_worker.offload.block import MappedPiece, StreamedBlock
 from dlo_worker.offload.config import (
     RING_CACHE_SHARE,
     RING_CHUNK_BOUNDS,
+    cgroup_cpu_limit,
     last_level_cache_bytes,
     pack_threads_for,
     ring_chunk_bytes,
+    usable_cpus,
 )
 from dlo_worker.offload.feeds import ring as ring_feed
 from dlo_worker.offload.feeds.ring import StagingRing, StagingRingUnavailableError
@@ -237,6 +240,68 @@ def test_the_default_packers_follow_this_processs_cpus_and_ranks(monkeypatch) ->
     cpus = len(os.sched_getaffinity(0))
     assert OffloadConfig().pack_threads == pack_threads_for(cpus, 2)
     assert OffloadConfig().pack_threads <= max(1, cpus // 2)
+
+
+def cgroups(root: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A cgroup tree on disk as the kernel shows it: ``files`` relative to ``root``."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (root / "self-cgroup").write_text(membership)
+    return root, root / "self-cgroup"
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "limit"),
+    [
+        # A container's own cgroup v2 view (cgroup namespace): docker run --cpus 4.
+        ("0::/\n", {"cpu.max": "400000 100000\n"}, 4.0),
+        # A Pod's container seen from the host's hierarchy: the Pod's limit is the tightest.
+        (
+            "0::/kubepods/burstable/pod1/worker\n",
+            {
+                "kubepods/cpu.max": "max 100000\n",
+                "kubepods/burstable/pod1/cpu.max": "250000 100000\n",
+                "kubepods/burstable/pod1/worker/cpu.max": "300000 100000\n",
+            },
+            2.5,
+        ),
+        # cgroup v1, as a container sees its CPU hierarchy.
+        (
+            "4:cpu,cpuacct:/docker/abc\n",
+            {
+                "cpu,cpuacct/cpu.cfs_quota_us": "150000\n",
+                "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+            },
+            1.5,
+        ),
+        # No limit: v2 "max", v1 -1, the v2 root (no cpu.max at all), a hybrid host.
+        ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+        ("0::/\n", {}, None),
+        (
+            "1:cpu:/\n0::/\n",
+            {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+            None,
+        ),
+    ],
+)
+def test_the_cgroup_cpu_limit_is_the_tightest_on_the_way_to_the_root(
+    tmp_path, membership, files, limit
+) -> None:
+    assert cgroup_cpu_limit(*cgroups(tmp_path, membership, files)) == limit
+
+
+def test_packers_are_sized_by_the_cgroup_cpu_limit_not_only_the_affinity_mask(tmp_path) -> None:
+    """A CPU limit leaves every CPU in the affinity mask but throttles past it: sizing the
+    packers by the mask alone oversubscribes the limit."""
+    affinity = len(os.sched_getaffinity(0))
+    half_a_cpu = cgroups(tmp_path / "half", "0::/\n", {"cpu.max": "50000 100000\n"})
+    assert usable_cpus(*half_a_cpu) == 1  # rounded up, never zero
+    unlimited = cgroups(tmp_path / "none", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert usable_cpus(*unlimited) == affinity
+    above = cgroups(tmp_path / "above", "0::/\n", {"cpu.max": f"{(affinity + 3) * 10**5} 100000"})
+    assert usable_cpus(*above) == affinity
+    assert usable_cpus(tmp_path / "absent", tmp_path / "absent" / "cgroup") == affinity
 
 
 def test_the_configured_chunk_size_wins_over_the_machines() -> None:

@@ -308,8 +308,8 @@ class OffloadOptions(Options):
         default=None,
         description="Host threads that pack mapped DiT blocks (the staging ring's packers, "
         "block-buffer packs, AllGather shards read from a mapping); default: this process's "
-        "share of the CPUs it may run on (CPUs / ranks on the node) less 2 (its model "
-        "thread and the ring's feeder), at most 8.",
+        "share of the CPUs it may run on, at most its cgroup's CPU limit (CPUs / ranks on "
+        "the node), less 2 (its model thread and the ring's feeder), at most 8.",
     )
 
     dlo_block_paths: tuple[str, ...] | None = Field(

@@ -7,6 +7,7 @@ It knows nothing of pipelines or of the worker's configuration (as diffusers'
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,16 +48,75 @@ StagingChoice = Literal["auto", "ring", "buffers"]
 
 
 def default_pack_threads() -> int:
-    """This process's share of the CPUs it may run on (ranks of a node split them), less
+    """This process's share of its :func:`usable_cpus` (ranks of a node split them), less
     its :data:`BUSY_THREADS_PER_RANK`, up to :data:`MAX_PACK_THREADS`.
 
     Packing is memory-bound: past a margin over the copy engine's rate, more threads only
     compete with the other ranks and with the device copies for memory bandwidth, and a
     packer that has to wait for a CPU holds back the copies behind its chunk.
     """
-    return pack_threads_for(
-        len(os.sched_getaffinity(0)), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    )
+    return pack_threads_for(usable_cpus(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def usable_cpus(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> int:
+    """The CPUs this process may keep busy: those it may run on, at most its cgroup's CPU
+    limit rounded up.
+
+    A container's ``--cpus`` or a Pod's CPU limit (one a LimitRange adds, too) leaves every
+    CPU in the affinity mask but throttles the process past the limit: packers sized by the
+    mask alone would oversubscribe it, the condition that took the ring from 1.05x to
+    1.11-1.24x private pinned (docs/benchmarks.md, leases 19 and 20).
+    """
+    cpus = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit(cgroup_root, membership)
+    return cpus if limit is None else max(1, min(cpus, math.ceil(limit)))
+
+
+def cgroup_cpu_limit(cgroup_root: Path, membership: Path) -> float | None:
+    """The tightest CPU limit, in CPUs, on this process's cgroup and its ancestors
+    (cgroup v2 ``cpu.max``; cgroup v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` of
+    the hierarchy a container sees), or ``None`` where none is set or readable."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # the v2 hierarchy: every level may set cpu.max
+            level = cgroup_root / path.lstrip("/")
+            for directory in (level, *level.parents):
+                limits += _cpu_max(directory / "cpu.max")
+                if directory == cgroup_root:
+                    break
+        elif "cpu" in controllers.split(","):
+            for mount in ("cpu", "cpu,cpuacct"):
+                limits += _cfs_quota(cgroup_root / mount)
+    return min(limits) if limits else None
+
+
+def _cpu_max(path: Path) -> list[float]:
+    """``<quota> <period>`` in microseconds, or ``max <period>`` for no limit."""
+    try:
+        quota, period = path.read_text().split()
+    except (OSError, ValueError):
+        return []
+    return [] if quota == "max" or int(period) <= 0 else [int(quota) / int(period)]
+
+
+def _cfs_quota(directory: Path) -> list[float]:
+    """A cgroup v1 CPU hierarchy's quota (-1 for none) over its period."""
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return []
+    return [quota / period] if quota > 0 and period > 0 else []
 
 
 def pack_threads_for(cpus: int, ranks_here: int) -> int:
