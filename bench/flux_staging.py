@@ -322,7 +322,7 @@ def registered_runs(directory: Path, device: torch.device, inputs: dict, args, r
         release(device)
 
 
-def counters(backend) -> dict[str, float]:
+def counters(backend) -> dict[str, float | None]:
     """The backend's cumulative counters and the host's steal time, for deltas around one
     measurement: a slow round then says whether its copies, its packers or the host were
     slow."""
@@ -335,6 +335,7 @@ def counters(backend) -> dict[str, float]:
         "ring_copy_wait_s": stats.ring_copy_wait_seconds,
         "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
         "ring_feeder_enqueue_s": stats.ring_feeder_enqueue_seconds,
+        "ring_runqueue_wait_s": stats.ring_runqueue_wait_seconds,
         "host_steal_s": host_steal_seconds(),
     }
 
@@ -344,10 +345,18 @@ def measured(module: torch.nn.Module, backend, timing, inputs: dict, repeats: in
     (bytes over the copies' own time), the waits and the host's steal time."""
     before = counters(backend)
     seconds = timing(module, inputs, repeats)
-    delta = {key: value - before[key] for key, value in counters(backend).items()}
+    delta = {
+        key: None if value is None or before[key] is None else value - before[key]
+        for key, value in counters(backend).items()
+    }
     copied = delta.pop("bytes_streamed")
     copy_s = delta.pop("h2d_s")
     return seconds, {"h2d_gbps": copied / copy_s / 1e9 if copy_s else 0.0, **delta}
+
+
+def fmt_seconds(value: float | None) -> str:
+    """Seconds to print, or why there are none (the kernel keeps no scheduler statistics)."""
+    return "unknown (no schedstat)" if value is None else f"{value:.2f} s"
 
 
 def paired_rounds(pinned: tuple, staged: tuple, inputs: dict, rounds: int, repeats: int) -> dict:
@@ -465,6 +474,7 @@ def staging_runs(
             "ring_copy_wait_s": stats.ring_copy_wait_seconds,
             "ring_feeder_wait_s": stats.ring_feeder_wait_seconds,
             "ring_feeder_enqueue_s": stats.ring_feeder_enqueue_seconds,
+            "ring_runqueue_wait_s": stats.ring_runqueue_wait_seconds,
             "compute_wait_s": stats.pack_wait_seconds,
             "timed_s": time.perf_counter() - timed_from,
             "host_steal_s": host_steal_seconds() - steal_before,
@@ -512,7 +522,8 @@ def print_report(report: dict) -> None:
                         f"ring full {staged['ring_full_wait_s']:.2f} s (copies "
                         f"{staged['ring_copy_wait_s']:.2f} s), feeder waited "
                         f"{staged['ring_feeder_wait_s']:.2f} s and enqueued "
-                        f"{staged['ring_feeder_enqueue_s']:.2f} s, steal "
+                        f"{staged['ring_feeder_enqueue_s']:.2f} s, ring threads waited "
+                        f"{fmt_seconds(staged['ring_runqueue_wait_s'])} for a CPU, steal "
                         f"{staged['host_steal_s']:.2f} s (pinned {pinned['host_steal_s']:.2f})"
                     )
     if "pinned_timed_s" in report:

@@ -9,6 +9,7 @@ over two gloo processes (shards packed from the mapping, mapping then closed).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.loader.mapped_checkpoint import HostWeightsError
 from dlo_worker.observability import metrics
 from dlo_worker.offload import DiscoveryError, OffloadConfig
+from dlo_worker.offload.feeds.ring import runqueue_wait_seconds
 from dlo_worker.offload.setup import StreamSetup
 from dlo_worker.process.worker import Worker
 from tests.support import checkpoints
@@ -88,6 +90,9 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
     assert stats.staging_bytes == 2 * config.pack_threads * config.ring_chunk_bytes
     assert stats.ring_chunks > 0
     assert stats.ring_copy_wait_seconds <= stats.ring_full_wait_seconds
+    # The ring's threads' wait for a CPU, wherever this kernel keeps scheduler statistics.
+    kernel_reports = runqueue_wait_seconds([threading.get_native_id()]) is not None
+    assert (stats.ring_runqueue_wait_seconds is not None) == kernel_reports
     assert stats.pack_gbps > 0
     assert stats.host_registration == "off"
     assert (
@@ -96,7 +101,7 @@ def test_rank_local_checkpoint_backing_is_bitwise_equal(variant, variants, resid
         )
         == (started or 0) + 1
     )
-    for activity in ("pack", "copy_wait", "feeder_enqueue"):
+    for activity in ("pack", "copy_wait", "feeder_enqueue", "runqueue_wait"):
         seconds = REGISTRY.get_sample_value("dlo_staging_ring_seconds", {"activity": activity})
         assert seconds is not None, activity
     if variant == "fused":

@@ -7,6 +7,7 @@ queue has entries; close lands fills nobody waited for."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,35 @@ def test_every_fill_holds_the_packed_block(ring: StagingRing) -> None:
         for block in blocks
         for dtype, layout in block.layout.by_dtype.items()
     )
+
+
+def test_the_ring_names_its_threads_to_the_kernel(ring: StagingRing) -> None:
+    """The feeder and each of the three packers: live threads of this process, none of
+    them the caller's, so their scheduler statistics are the ring's own."""
+    ids = ring.thread_ids()
+    assert len(ids) == len(set(ids)) == ring.lanes + 1
+    assert threading.get_native_id() not in ids
+    assert all(Path(f"/proc/self/task/{thread_id}").is_dir() for thread_id in ids)
+    assert ring.counters().runqueue_wait_seconds == ring_feed.runqueue_wait_seconds(ids)
+
+
+@pytest.mark.parametrize(
+    ("schedstats", "waited"),
+    [
+        # run time, run-queue wait, timeslices (ns): 2.5 ms + 0.5 ms waiting for a CPU.
+        ({11: "9000000 2500000 40\n", 12: "3000000 500000 7\n"}, 0.003),
+        ({11: "9000000 0 40\n", 12: "3000000 0 7\n"}, 0.0),
+        # A kernel without scheduler statistics: threads that ran report no run time.
+        ({11: "0 0 1\n", 12: "0 0 1\n"}, None),
+        # A thread gone, or a file the kernel does not have.
+        ({11: "9000000 2500000 40\n"}, None),
+    ],
+)
+def test_the_run_queue_wait_comes_from_each_threads_schedstat(tmp_path, schedstats, waited) -> None:
+    for thread_id, text in schedstats.items():
+        (tmp_path / str(thread_id)).mkdir()
+        (tmp_path / str(thread_id) / "schedstat").write_text(text)
+    assert ring_feed.runqueue_wait_seconds([11, 12], tmp_path) == waited
 
 
 def test_more_fills_than_chunks_and_queue_entries_stay_in_order(ring: StagingRing) -> None:

@@ -110,7 +110,8 @@ STAGING_RING_SECONDS = Gauge(
     "is the bottleneck; the rest waited for the feeder); feeder_wait (the copy feeder "
     "waiting for a pack: the packers are the bottleneck); feeder_enqueue (the feeder in "
     "CUDA calls putting copies on the stream); compute_wait (the model's thread waiting for "
-    "a block's last chunk to be enqueued).",
+    "a block's last chunk to be enqueued); runqueue_wait (the packers and the feeder ready "
+    "to run but waiting for a CPU, from the kernel's schedstat; NaN where it keeps none).",
     ["activity"],
 )
 FP8_CASTS = Counter(
@@ -183,6 +184,7 @@ def watch_staging_ring(read: Callable[[], dict[str, float]]) -> None:
         "feeder_wait",
         "feeder_enqueue",
         "compute_wait",
+        "runqueue_wait",
     ):
         STAGING_RING_SECONDS.labels(activity=activity).set_function(reader(activity))
 

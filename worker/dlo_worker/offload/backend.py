@@ -444,6 +444,7 @@ class DistributedLayerwiseOffloadBackend:
             ring_feeder_wait_seconds=ring.feeder_wait_seconds if ring is not None else 0.0,
             ring_feeder_enqueue_seconds=ring.feeder_enqueue_seconds if ring is not None else 0.0,
             ring_chunks=ring.chunks if ring is not None else 0,
+            ring_runqueue_wait_seconds=ring.runqueue_wait_seconds if ring is not None else None,
             registered_bytes=registered.nbytes if registered is not None else 0,
             pack_gbps=self._pack_gbps(staging),
             pack_wait_seconds=counters.pack_wait_seconds,

@@ -55,6 +55,9 @@ class OffloadStats:
     """The ring's copy feeder in CUDA calls, putting copies on the stream."""
     ring_chunks: int
     """Chunks the ring handed to the copy stream."""
+    ring_runqueue_wait_seconds: float | None
+    """Summed over the ring's packers and feeder: ready to run, waiting for a CPU (the
+    kernel's schedstat); ``None`` without a ring or where the kernel does not report it."""
     host_registration: str
     """Mapped blocks: ``registered`` (direct copies), ``off`` (no budget), or why staging
     is used (``budget``, ``unsupported``, ``cpu``, ``adapter``, ``not-mapped``, ``failed``,

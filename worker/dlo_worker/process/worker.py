@@ -12,6 +12,7 @@ same path: it is turned into ``SystemExit`` so ``with Worker(...)`` unwinds.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import types
 from collections.abc import Callable
@@ -260,6 +261,10 @@ def _ring_activity(
             "feeder_wait": ring.feeder_wait_seconds,
             "feeder_enqueue": ring.feeder_enqueue_seconds,
             "compute_wait": backend.pack_wait_seconds,
+            # NaN (no value) where the kernel keeps no scheduler statistics, never 0.
+            "runqueue_wait": ring.runqueue_wait_seconds
+            if ring.runqueue_wait_seconds is not None
+            else math.nan,
         }
 
     return read

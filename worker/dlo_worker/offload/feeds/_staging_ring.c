@@ -25,7 +25,8 @@
  * chunk submitted), lanes waiting for a ring slot, split into waiting for the slot's copy
  * (the copy engine behind) and the rest (the feeder behind: the slot's previous chunk not
  * yet on the stream), the feeder waiting for the next chunk's pack (the packers behind),
- * and the feeder's time in CUDA calls.
+ * and the feeder's time in CUDA calls. The threads' kernel ids (dlo_ring_thread_ids) let
+ * the caller read from the kernel how long they waited for a CPU.
  *
  * Without a CUDA API (every function pointer NULL) the feeder copies chunks with memcpy
  * into host memory, so CI runs the same ring and packing logic on the CPU.
@@ -37,7 +38,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_JOBS 256
 #define CUDA_MEMCPY_HOST_TO_DEVICE 1
@@ -101,6 +104,8 @@ typedef struct {
     pthread_t *lanes;
     pthread_t feeder;
     int threads_started;
+    int64_t *thread_ids; /* the kernel's ids of the feeder and the lanes, as they start */
+    int nthread_ids;
 
     pthread_mutex_t mutex;
     pthread_cond_t changed;
@@ -164,8 +169,17 @@ static void pack(const dlo_job *job, uint64_t low, uint64_t high, char *target) 
     if (cursor < high) memset(target + (cursor - low), 0, high - cursor);
 }
 
+/* Note the calling thread's kernel id, for dlo_ring_thread_ids. */
+static void record_thread_id(dlo_ring *ring) {
+    pthread_mutex_lock(&ring->mutex);
+    ring->thread_ids[ring->nthread_ids++] = (int64_t)syscall(SYS_gettid);
+    pthread_cond_broadcast(&ring->changed);
+    pthread_mutex_unlock(&ring->mutex);
+}
+
 static void *run_lane(void *argument) {
     dlo_ring *ring = argument;
+    record_thread_id(ring);
     if (ring->cuda && ring->api.set_device(ring->device) != 0) {
         fail(ring, -2);
         return NULL;
@@ -263,6 +277,7 @@ static int enqueue(dlo_ring *ring, const dlo_job *job, uint64_t chunk, int first
 
 static void *run_feeder(void *argument) {
     dlo_ring *ring = argument;
+    record_thread_id(ring);
     if (ring->cuda && ring->api.set_device(ring->device) != 0) {
         fail(ring, -2);
         return NULL;
@@ -336,7 +351,8 @@ dlo_ring *dlo_ring_create(const dlo_cuda_api *api, int device, void *stream, cha
     ring->packed = malloc(nring * sizeof(int64_t));
     ring->released = malloc(nring * sizeof(int64_t));
     ring->lanes = calloc((size_t)lanes, sizeof(pthread_t));
-    if (!ring->events || !ring->packed || !ring->released || !ring->lanes) {
+    ring->thread_ids = calloc((size_t)lanes + 1, sizeof(int64_t));
+    if (!ring->events || !ring->packed || !ring->released || !ring->lanes || !ring->thread_ids) {
         *error = ENOMEM;
         dlo_ring_destroy(ring);
         return NULL;
@@ -417,6 +433,18 @@ int dlo_ring_wait(dlo_ring *ring, int64_t id) {
     return error;
 }
 
+/* The kernel ids of the ring's threads (the feeder and every lane), once all have started:
+ * copies at most `capacity` into `ids` and returns how many threads there are. */
+int dlo_ring_thread_ids(dlo_ring *ring, int64_t *ids, int capacity) {
+    pthread_mutex_lock(&ring->mutex);
+    while (!ring->stopping && ring->nthread_ids < ring->nlanes + 1)
+        pthread_cond_wait(&ring->changed, &ring->mutex);
+    int count = ring->nthread_ids;
+    for (int index = 0; index < count && index < capacity; index++) ids[index] = ring->thread_ids[index];
+    pthread_mutex_unlock(&ring->mutex);
+    return count;
+}
+
 void dlo_ring_stats_read(dlo_ring *ring, dlo_ring_stats *stats) {
     pthread_mutex_lock(&ring->mutex);
     *stats = ring->stats;
@@ -443,6 +471,7 @@ void dlo_ring_destroy(dlo_ring *ring) {
     free(ring->packed);
     free(ring->released);
     free(ring->lanes);
+    free(ring->thread_ids);
     pthread_cond_destroy(&ring->changed);
     pthread_mutex_destroy(&ring->mutex);
     free(ring);

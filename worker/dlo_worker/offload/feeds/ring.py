@@ -25,6 +25,7 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,6 +137,12 @@ def load_library() -> ctypes.CDLL:
     ]
     library.dlo_ring_wait.restype = ctypes.c_int
     library.dlo_ring_wait.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    library.dlo_ring_thread_ids.restype = ctypes.c_int
+    library.dlo_ring_thread_ids.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_int64),
+        ctypes.c_int,
+    ]
     library.dlo_ring_stats_read.restype = None
     library.dlo_ring_stats_read.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
     library.dlo_ring_destroy.restype = None
@@ -175,6 +182,28 @@ class RingCounters:
     feeder_enqueue_seconds: float
     """Time the copy-ordering thread spent in CUDA calls putting copies on the stream."""
     chunks: int
+    runqueue_wait_seconds: float | None
+    """Summed over the packers and the feeder: time they were ready to run but waited for
+    a CPU (the kernel's schedstat), or ``None`` where the kernel does not report it. A
+    packer woken by a finished copy that waits here lets the queued copies run out: the
+    host runs more busy threads than it has CPUs."""
+
+
+def runqueue_wait_seconds(
+    thread_ids: list[int], tasks: Path = Path("/proc/self/task")
+) -> float | None:
+    """Seconds ``thread_ids`` spent runnable, waiting for a CPU, from each thread's
+    ``schedstat`` (run time, run-queue wait, timeslices; nanoseconds); ``None`` where a
+    file is missing or the kernel reports no run time for threads that ran (it keeps no
+    scheduler statistics)."""
+    ran = waited = 0
+    for thread_id in thread_ids:
+        try:
+            run_ns, wait_ns, _ = (tasks / str(thread_id) / "schedstat").read_text().split()
+            ran, waited = ran + int(run_ns), waited + int(wait_ns)
+        except (OSError, ValueError):
+            return None
+    return waited / 1e9 if ran > 0 else None
 
 
 class StagingRing:
@@ -291,7 +320,14 @@ class StagingRing:
             feeder_wait_seconds=stats.feeder_wait_ns / 1e9,
             feeder_enqueue_seconds=stats.feeder_enqueue_ns / 1e9,
             chunks=stats.chunks,
+            runqueue_wait_seconds=runqueue_wait_seconds(self.thread_ids()),
         )
+
+    def thread_ids(self) -> list[int]:
+        """The kernel's ids of the ring's threads: its feeder and every packer."""
+        ids = (ctypes.c_int64 * (self.lanes + 1))()
+        count = self._library.dlo_ring_thread_ids(self._handle, ids, self.lanes + 1)
+        return list(ids[: min(count, self.lanes + 1)])
 
     def _jobs(self, block: StreamedBlock) -> list[tuple[torch.dtype, ctypes.Array[Any], int]]:
         """Per dtype: the block's pieces as the ring reads them, and the packed size."""
