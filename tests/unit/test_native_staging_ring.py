@@ -105,7 +105,7 @@ def test_every_fill_holds_the_packed_block(ring: StagingRing) -> None:
 def test_the_ring_names_its_threads_to_the_kernel(ring: StagingRing) -> None:
     """The feeder and each of the three packers: live threads of this process, none of
     them the caller's, so their scheduler statistics are the ring's own."""
-    ids = ring.thread_ids()
+    ids = ring.thread_ids
     assert len(ids) == len(set(ids)) == ring.lanes + 1
     assert threading.get_native_id() not in ids
     assert all(Path(f"/proc/self/task/{thread_id}").is_dir() for thread_id in ids)

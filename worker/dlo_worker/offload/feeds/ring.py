@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,7 +191,7 @@ class RingCounters:
 
 
 def runqueue_wait_seconds(
-    thread_ids: list[int], tasks: Path = Path("/proc/self/task")
+    thread_ids: Sequence[int], tasks: Path = Path("/proc/self/task")
 ) -> float | None:
     """Seconds ``thread_ids`` spent runnable, waiting for a CPU, from each thread's
     ``schedstat`` (run time, run-queue wait, timeslices; nanoseconds); ``None`` where a
@@ -243,6 +244,11 @@ class StagingRing:
             self._arena.close()
             raise StagingRingError(f"creating the staging ring failed (error {error.value})")
         self._handle = handle
+        ids = (ctypes.c_int64 * (lanes + 1))()
+        count = self._library.dlo_ring_thread_ids(handle, ids, lanes + 1)
+        self.thread_ids: tuple[int, ...] = tuple(ids[: min(count, lanes + 1)])
+        """The kernel's ids of the ring's threads, its feeder and every packer, which keep
+        running until :meth:`close`."""
         self._pieces: dict[int, list[tuple[torch.dtype, ctypes.Array[Any], int]]] = {}
         self._pending: dict[int, tuple[int, tuple[torch.cuda.Event, torch.cuda.Event] | None]] = {}
         """Per slot, the last job that fills it and was not waited for, with its timing
@@ -320,14 +326,8 @@ class StagingRing:
             feeder_wait_seconds=stats.feeder_wait_ns / 1e9,
             feeder_enqueue_seconds=stats.feeder_enqueue_ns / 1e9,
             chunks=stats.chunks,
-            runqueue_wait_seconds=runqueue_wait_seconds(self.thread_ids()),
+            runqueue_wait_seconds=runqueue_wait_seconds(self.thread_ids),
         )
-
-    def thread_ids(self) -> list[int]:
-        """The kernel's ids of the ring's threads: its feeder and every packer."""
-        ids = (ctypes.c_int64 * (self.lanes + 1))()
-        count = self._library.dlo_ring_thread_ids(self._handle, ids, self.lanes + 1)
-        return list(ids[: min(count, self.lanes + 1)])
 
     def _jobs(self, block: StreamedBlock) -> list[tuple[torch.dtype, ctypes.Array[Any], int]]:
         """Per dtype: the block's pieces as the ring reads them, and the packed size."""
