@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,10 +30,17 @@ VERSIONS_FILE = Path(__file__).with_name("versions.json")
 RECIPE_REVISION = "1"
 KUBERNETES_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
-"""Built only when real nodes are asked for (``up --real-nodes``)."""
+"""Built only where real nodes will run (``build --real-nodes``, ``up --real-nodes``)."""
+KUBERNETES_PACKAGES = (*KUBERNETES_BINARIES, "kubelet", "kube-proxy")
+"""Every binary of ``k8s.io/kubernetes/cmd``: built by one ``go build`` (they share most of
+their packages, and one invocation overlaps one binary's link with another's compile)."""
 STAMPED = {"kube-score": "kube_score", "coredns": "coredns"}
 """Tools outside the cache key (a bump rebuilds only that tool): binary name -> version
 field, checked against a stamp file next to the binary."""
+COREDNS_PLUGINS = ("bind", "errors", "kubernetes", "forward", "cache")
+"""The plugins :func:`tests.harness.nodes.corefile` uses. CoreDNS is built with these
+alone, as its documentation describes for a custom build: its cloud backends (AWS, Azure,
+Google, etcd, gRPC, dnstap) made its build take five minutes on two cores."""
 
 Progress = Callable[[str], None]
 
@@ -118,6 +124,27 @@ def kubernetes_ldflags(version: str) -> str:
     return " ".join(flags)
 
 
+def build_steps(missing: list[str]) -> list[tuple[str, ...]]:
+    """The builds that make ``missing``, in order (pure): the Kubernetes binaries together
+    in one step, first, then every other tool on its own."""
+    kubernetes = tuple(name for name in missing if name in KUBERNETES_PACKAGES)
+    others = [(name,) for name in missing if name not in KUBERNETES_PACKAGES]
+    return [kubernetes, *others] if kubernetes else others
+
+
+def coredns_main(plugins: tuple[str, ...]) -> str:
+    """A CoreDNS main package with only ``plugins`` (pure): what CoreDNS's own ``coredns.go``
+    is, with its all-plugins import replaced by these."""
+    imports = "".join(f'\t_ "github.com/coredns/coredns/plugin/{name}"\n' for name in plugins)
+    return (
+        "package main\n\nimport (\n"
+        '\t_ "github.com/coredns/coredns/core/dnsserver"\n'
+        f"{imports}"
+        '\t"github.com/coredns/coredns/coremain"\n'
+        ")\n\nfunc main() { coremain.Run() }\n"
+    )
+
+
 ETCD_MAIN = """package main
 
 import (
@@ -184,7 +211,9 @@ class Builder:
         return missing
 
     def _version(self, name: str) -> str:
-        return getattr(self.versions, STAMPED[name])
+        """The stamp: the version, and for CoreDNS the plugins it is built with."""
+        version: str = getattr(self.versions, STAMPED[name])
+        return f"{version} {','.join(COREDNS_PLUGINS)}" if name == "coredns" else version
 
     def _stamp(self, name: str) -> str:
         stamp = self.bin / f".{name}.version"
@@ -200,14 +229,16 @@ class Builder:
         self.bin.mkdir(parents=True, exist_ok=True)
         with (self.root / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            missing = self.missing(extra)
-            for index, name in enumerate(missing, 1):
+            steps = build_steps(self.missing(extra))
+            for index, names in enumerate(steps, 1):
                 started = time.monotonic()
-                self.progress(f"[{index}/{len(missing)}] building {name} ...")
-                self._build(name)
-                self.progress(
-                    f"[{index}/{len(missing)}] {name} built in {time.monotonic() - started:.0f} s"
-                )
+                label = f"[{index}/{len(steps)}] {', '.join(names)}"
+                self.progress(f"{label}: building ...")
+                if names[0] in KUBERNETES_PACKAGES:
+                    self._build_kubernetes(names)
+                else:
+                    self._build(names[0])
+                self.progress(f"{label}: built in {time.monotonic() - started:.0f} s")
         return self.bin
 
     def _workspace(self, name: str, go_mod: str, files: dict[str, str] | None = None) -> Path:
@@ -218,23 +249,45 @@ class Builder:
             (workspace / file_name).write_text(text)
         return workspace
 
+    def _build_kubernetes(self, names: tuple[str, ...]) -> None:
+        """``names`` from ``k8s.io/kubernetes/cmd`` in one ``go build`` into a scratch
+        directory, each then renamed into place."""
+        v = self.versions
+        scratch = self.root / "src"
+        scratch.mkdir(parents=True, exist_ok=True)
+        replaces = staging_replaces(
+            _go_mod_text("k8s.io/kubernetes", v.kubernetes, self.env, scratch), v.staging_version
+        )
+        workspace = self._workspace(
+            "kubernetes",
+            wrapper_go_mod(
+                "dlo.dev/cluster/kubernetes", {"k8s.io/kubernetes": v.kubernetes}, replaces
+            ),
+        )
+        partial = self.bin / ".kubernetes.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        _run(
+            [
+                "go",
+                "build",
+                "-trimpath",
+                "-ldflags",
+                kubernetes_ldflags(v.kubernetes),
+                "-o",
+                f"{partial}/",
+                *(f"k8s.io/kubernetes/cmd/{name}" for name in names),
+            ],
+            workspace,
+            self.env,
+        )
+        for name in names:
+            _install(partial / name, self.bin / name)
+        partial.rmdir()
+
     def _build(self, name: str) -> None:
         v = self.versions
-        if name in KUBERNETES_BINARIES or name in ("kubelet", "kube-proxy"):
-            scratch = self.root / "src"
-            scratch.mkdir(parents=True, exist_ok=True)
-            replaces = staging_replaces(
-                _go_mod_text("k8s.io/kubernetes", v.kubernetes, self.env, scratch),
-                v.staging_version,
-            )
-            workspace = self._workspace(
-                "kubernetes",
-                wrapper_go_mod(
-                    "dlo.dev/cluster/kubernetes", {"k8s.io/kubernetes": v.kubernetes}, replaces
-                ),
-            )
-            package, ldflags = f"k8s.io/kubernetes/cmd/{name}", kubernetes_ldflags(v.kubernetes)
-        elif name == "etcd":
+        if name == "etcd":
             workspace = self._workspace(
                 "etcd",
                 wrapper_go_mod("dlo.dev/cluster/etcd", {"go.etcd.io/etcd/server/v3": v.etcd}, {}),
@@ -268,9 +321,9 @@ class Builder:
                 wrapper_go_mod(
                     "dlo.dev/cluster/coredns", {"github.com/coredns/coredns": v.coredns}, {}
                 ),
+                {"main.go": coredns_main(COREDNS_PLUGINS)},
             )
-            package = "github.com/coredns/coredns"
-            ldflags = "-s -w"
+            package, ldflags = ".", "-s -w"
         else:
             raise BuildError(f"unknown tool {name}")
         if package == ".":
@@ -284,13 +337,3 @@ class Builder:
         _install(built, self.bin / name)
         if name in STAMPED:
             (self.bin / f".{name}.version").write_text(self._version(name))
-
-
-def main() -> int:
-    try:
-        path = Builder(progress=lambda line: print(line, file=sys.stderr, flush=True)).ensure()
-    except BuildError as error:
-        print(f"cluster build failed: {error}", file=sys.stderr)
-        return 1
-    print(path)
-    return 0

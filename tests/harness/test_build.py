@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from tests.harness.build import (
+    COREDNS_PLUGINS,
     Versions,
     build_key,
+    build_steps,
+    coredns_main,
     kubernetes_ldflags,
     staging_replaces,
     wrapper_go_mod,
 )
+from tests.harness.nodes import corefile
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
@@ -68,3 +73,29 @@ def test_cache_key_changes_with_any_control_plane_version() -> None:
     # A linter bump rebuilds the linter alone (Builder.missing compares its stamp).
     assert build_key(base) == build_key(dataclasses.replace(base, kube_score="v1.21.0"))
     assert build_key(base) == build_key(dataclasses.replace(base, coredns="v1.14.8"))
+
+
+def test_the_kubernetes_binaries_build_together_first_and_other_tools_alone() -> None:
+    missing = ["kube-apiserver", "etcd", "kubelet", "coredns", "kubectl"]
+    assert build_steps(missing) == [
+        ("kube-apiserver", "kubelet", "kubectl"),
+        ("etcd",),
+        ("coredns",),
+    ]
+    assert build_steps(["helm"]) == [("helm",)]
+    assert build_steps([]) == []
+
+
+def test_coredns_is_built_with_the_plugins_the_corefile_uses() -> None:
+    """Every directive of the real nodes' Corefile is a plugin of the build (CoreDNS
+    refuses a Corefile naming a plugin it lacks), and nothing more is imported."""
+    main = coredns_main(COREDNS_PLUGINS)
+    imported = set(re.findall(r'"github.com/coredns/coredns/plugin/(\w+)"', main))
+    assert imported == set(COREDNS_PLUGINS)
+    directives = {
+        line.split()[0]
+        for line in corefile("10.0.0.1", 53, "/kubeconfig").splitlines()[1:]
+        if line.strip() and line.startswith("    ") and not line.startswith("        ")
+    } - {"}"}
+    assert directives == set(COREDNS_PLUGINS)
+    assert "coremain.Run()" in main
