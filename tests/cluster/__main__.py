@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tests.harness.build import Builder, BuildError
+from tests.harness import node_stores
+from tests.harness.build import NODE_BINARIES, Builder, BuildError
 from tests.harness.control_plane import SERVICE_CIDR, ClusterError, default_directory, down, up
 from tests.harness.images import ImageBuilder
 
@@ -27,7 +28,8 @@ def main() -> int:
         "--real-nodes",
         type=int,
         default=0,
-        help="real nodes (containerd + kubelet on this machine; root; default: 0)",
+        help="real nodes (containerd + kubelet on this machine; root; default: 0); with "
+        "build: also their binaries, with images: also import the images into their stores",
     )
     parser.add_argument(
         "--service-cidr",
@@ -37,9 +39,13 @@ def main() -> int:
     args = parser.parse_args()
     try:
         if args.command == "build":
-            print(Builder(progress=_progress).ensure())
+            print(Builder(progress=_progress).ensure(NODE_BINARIES if args.real_nodes else ()))
         elif args.command == "images":
-            for image in ImageBuilder(progress=_progress).ensure().values():
+            images = ImageBuilder(progress=_progress).ensure()
+            if args.real_nodes:
+                references = {image.reference: image.archive for image in images.values()}
+                node_stores.prepare(args.real_nodes, references, _progress)
+            for image in images.values():
                 print(f"{image.reference} {image.archive}")
         elif args.command == "up":
             state = up(

@@ -18,7 +18,9 @@ from tests.harness.control_plane import ClusterState, down, up
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     directory = tmp_path_factory.mktemp("cluster")
-    state = up(directory, nodes=4, progress=lambda line: print(line, flush=True))
+    state = up(
+        directory, nodes=4, build=False, owned=True, progress=lambda line: print(line, flush=True)
+    )
     try:
         yield state
     finally:

@@ -35,7 +35,7 @@ RELEASE, OPERATOR_NAMESPACE = "dlo", "dlo-system"
 @pytest.fixture(scope="module")
 def chart_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterState]:
     directory = tmp_path_factory.mktemp("chart-cluster")
-    state = up(directory, nodes=2, progress=lambda _line: None)
+    state = up(directory, nodes=2, build=False, owned=True, progress=lambda _line: None)
     try:
         yield state
     finally:

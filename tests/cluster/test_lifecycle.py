@@ -8,9 +8,9 @@ from tests.harness.control_plane import ClusterState, down, is_running, up
 
 
 def test_up_twice_reuses_the_cluster_and_down_stops_every_component(tmp_path: Path) -> None:
-    first = up(tmp_path, nodes=1, progress=lambda _line: None)
+    first = up(tmp_path, nodes=1, build=False, owned=True, progress=lambda _line: None)
     try:
-        again = up(tmp_path, nodes=1, progress=lambda _line: None)
+        again = up(tmp_path, nodes=1, build=False, owned=True, progress=lambda _line: None)
         assert [c.pid for c in again.components] == [c.pid for c in first.components]
         assert {c.name for c in first.components} == {
             "etcd",

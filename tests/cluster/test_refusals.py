@@ -202,7 +202,7 @@ def test_a_deployment_whose_create_handler_never_runs_is_reconciled_by_the_timer
 
 def _private_control_plane(directory: Path, **options: str) -> Iterator[ClusterState]:
     """A control plane of one fake node for one module, stopped after it."""
-    state = up(directory, nodes=1, progress=lambda _line: None, **options)
+    state = up(directory, nodes=1, build=False, owned=True, progress=lambda _line: None, **options)
     try:
         yield state
     finally:

@@ -68,24 +68,52 @@ class ClusterState:
     pod_network: str = ""
     """The real nodes' pod network (:func:`~tests.harness.nodes.choose_pod_network`), each
     node's pod CIDR a /24 of it; empty without real nodes."""
+    owner: list[str] = field(default_factory=list)
+    """The pid and start time of the process the cluster lives and dies with (a test
+    session): once that process is gone, the next :func:`up` stops what it left. Empty for
+    a cluster people start by hand, which runs until ``down``."""
 
     def node_plans(self) -> list[nodes.NodePlan]:
         return [nodes.NodePlan.from_record(record) for record in self.real_nodes]
 
     @classmethod
     def load(cls, directory: Path) -> ClusterState | None:
-        path = directory / STATE_FILE
-        if not path.is_file():
+        return cls._read(directory / STATE_FILE)
+
+    @classmethod
+    def _read(cls, path: Path) -> ClusterState | None:
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
             return None
-        raw = json.loads(path.read_text())
         raw["components"] = [Component(**item) for item in raw["components"]]
         return cls(**raw)
 
+    @property
+    def registration(self) -> Path:
+        """Where an owned cluster is recorded outside its directory, so it can be found
+        (and stopped) after its owner was killed and its directory deleted."""
+        return registry() / f"{nodes.cluster_id(Path(self.directory))}.json"
+
     def save(self) -> None:
-        path = Path(self.directory) / STATE_FILE
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(temporary, path)
+        text = json.dumps(asdict(self), indent=2)
+        paths = [Path(self.directory) / STATE_FILE]
+        if self.owner:
+            self.registration.parent.mkdir(parents=True, exist_ok=True)
+            paths.append(self.registration)
+        for path in paths:
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(text)
+            os.replace(temporary, path)
+
+    def abandoned(self) -> bool:
+        """Owned by a process that is gone."""
+        pid, started = self.owner
+        return _start_time(int(pid)) != started
+
+
+def registry() -> Path:
+    return cache_root() / "clusters"
 
 
 def default_directory() -> Path:
@@ -178,10 +206,13 @@ def kubeconfig_document(server: str, pki: pki_module.Pki) -> dict:
 
 
 class _Launcher:
-    def __init__(self, directory: Path, bin_dir: Path) -> None:
-        self.directory = directory
+    """Starts the components of ``state``, recording each in it (and on disk) as it starts,
+    so a run killed halfway leaves a record of what to stop."""
+
+    def __init__(self, state: ClusterState, bin_dir: Path) -> None:
+        self.state = state
+        self.directory = Path(state.directory)
         self.bin = bin_dir
-        self.components: list[Component] = []
 
     def start(
         self,
@@ -199,7 +230,8 @@ class _Launcher:
         command = [executable or str(self.bin / name.split("@", maxsplit=1)[0]), *arguments]
         if supervised:
             command = [sys.executable, babysitter.__file__, "--", *command]
-        self.components.append(_spawn(name, command, log, self.directory))
+        self.state.components.append(_spawn(name, command, log, self.directory))
+        self.state.save()
         return log
 
 
@@ -269,18 +301,37 @@ def up(
     gpus_per_node: int = 8,
     real_nodes: int = 0,
     service_cidr: str = SERVICE_CIDR,
+    build: bool = True,
+    owned: bool = False,
     progress: Progress = print,
 ) -> ClusterState:
     """Start the control plane (or return the one already running in ``directory``), with
-    ``nodes`` fake GPU nodes and ``real_nodes`` real ones (:mod:`tests.harness.nodes`)."""
+    ``nodes`` fake GPU nodes and ``real_nodes`` real ones (:mod:`tests.harness.nodes`).
+
+    ``build``: build the binaries and images it lacks and import them into the node stores
+    (minutes on a fresh machine). The test fixtures pass False: the test command prepares
+    everything before pytest, and a cluster that finds something missing refuses at once,
+    naming the command that makes it, instead of building under a test's timeout.
+
+    ``owned``: the cluster lives as long as the calling process (a test session); a later
+    ``up`` stops it once that process is gone, with whatever else a killed run left."""
     directory = (directory or default_directory()).resolve()
+    reap_abandoned(progress)
     existing = ClusterState.load(directory)
     if existing and all(is_running(component) for component in existing.components):
         progress(f"cluster already running: {existing.kubeconfig}")
         return existing
     if existing:
         down(directory, progress=progress)
-    bin_dir = Builder(progress=progress).ensure(NODE_BINARIES if real_nodes else ())
+    builder = Builder(progress=progress)
+    node_binaries = NODE_BINARIES if real_nodes else ()
+    if not build and (missing := builder.missing(node_binaries)):
+        flag = " --real-nodes" if real_nodes else ""
+        raise ClusterError(
+            f"{', '.join(missing)} not built: run `python -m tests.cluster build{flag}` first "
+            "(the test command does)"
+        )
+    bin_dir = builder.ensure(node_binaries)
     for stale in ("etcd-data", "pki"):
         shutil.rmtree(directory / stale, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
@@ -290,38 +341,49 @@ def up(
     # Chosen before anything starts: a host with no free pod network refuses at once.
     pod_network = choose_pod_network(host_networks(), service_cidr) if real_nodes else None
     pki = pki_module.generate(directory / "pki", serving_ips=(address,))
-    launcher = _Launcher(directory, bin_dir)
+    state = ClusterState(str(directory), "", "", [], owner=_owner() if owned else [])
+    state.save()
+    launcher = _Launcher(state, bin_dir)
     try:
-        state = _start_components(
-            directory,
-            pki,
-            launcher,
-            address=address,
-            service_cidr=service_cidr,
-            progress=progress,
+        _start_components(
+            state, pki, launcher, address=address, service_cidr=service_cidr, progress=progress
         )
         _register_fake_nodes(state, nodes, gpus_per_node, progress)
         if pod_network is not None:
             state.pod_network = str(pod_network)
-            _start_real_nodes(state, launcher, real_nodes, progress)
+            _start_real_nodes(state, launcher, real_nodes, build, progress)
     except BaseException:
-        partial = ClusterState.load(directory) or ClusterState(str(directory), "", "", [])
-        partial.components = launcher.components
-        partial.save()
         down(directory, progress=progress)
         raise
     return state
 
 
+def _owner() -> list[str]:
+    return [str(os.getpid()), _start_time(os.getpid()) or ""]
+
+
+def reap_abandoned(progress: Progress = print) -> None:
+    """Stop the clusters whose owner is gone (a test run that was killed): their
+    components, containers, mounts, cgroups and bridges, and the record of them."""
+    for record in sorted(registry().glob("*.json")) if registry().is_dir() else []:
+        state = ClusterState._read(record)
+        if state is None or not state.owner:
+            record.unlink(missing_ok=True)
+        elif state.abandoned():
+            progress(f"stopping the cluster a killed run left in {state.directory}")
+            _take_down(state, progress)
+
+
 def _start_components(
-    directory: Path,
+    state: ClusterState,
     pki: pki_module.Pki,
     launcher: _Launcher,
     *,
     address: str,
     service_cidr: str,
     progress: Progress,
-) -> ClusterState:
+) -> None:
+    directory = Path(state.directory)
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
     progress("starting etcd")
@@ -447,9 +509,8 @@ def _start_components(
             f"127.0.0.1:{free_port()}",
         ],
     )
-    state = ClusterState(str(directory), str(kubeconfig), server, launcher.components)
+    state.kubeconfig, state.server = str(kubeconfig), server
     state.save()
-    return state
 
 
 def _register_fake_nodes(
@@ -498,8 +559,11 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
     """Stop every recorded component, newest first; idempotent."""
     directory = (directory or default_directory()).resolve()
     state = ClusterState.load(directory)
-    if state is None:
-        return
+    if state is not None:
+        _take_down(state, progress)
+
+
+def _take_down(state: ClusterState, progress: Progress) -> None:
     plans = {plan.name: plan for plan in state.node_plans()}
     for component in reversed(state.components):
         if not is_running(component):
@@ -508,13 +572,14 @@ def down(directory: Path | None = None, *, progress: Progress = print) -> None:
         if kind == "containerd" and node in plans:
             # The kubelet has stopped; the store is kept for its images, not its containers.
             with contextlib.suppress(Exception):
-                nodes.remove_containers(plans[node])
+                nodes.remove_containers(plans[node].socket)
         progress(f"stopping {component.name}")
         _stop(component)
     for plan in plans.values():
         progress(f"cleaning real node {plan.index}")
         nodes.clean_node(plan)
-    (directory / STATE_FILE).unlink(missing_ok=True)
+    (Path(state.directory) / STATE_FILE).unlink(missing_ok=True)
+    state.registration.unlink(missing_ok=True)
 
 
 def _start_cluster_dns(
@@ -528,8 +593,6 @@ def _start_cluster_dns(
     corefile.write_text(nodes.corefile(address, port, state.kubeconfig))
     progress("starting CoreDNS (cluster DNS of the real nodes)")
     log = launcher.start("coredns", ["-conf", str(corefile)])
-    state.components = launcher.components
-    state.save()
     _wait(lambda: _tcp_open(address, port), 60, "CoreDNS", log)
     api = config.new_client_from_config(config_file=state.kubeconfig)
     service, endpoints = nodes.dns_service(address, port)
@@ -543,16 +606,29 @@ def _tcp_open(address: str, port: int) -> bool:
 
 
 def _start_real_nodes(
-    state: ClusterState, launcher: _Launcher, count: int, progress: Progress
+    state: ClusterState, launcher: _Launcher, count: int, build: bool, progress: Progress
 ) -> None:
-    """containerd and a kubelet per node (images imported), then wait until Ready; each
-    node's pod CIDR is a /24 of ``state.pod_network``."""
+    """containerd and a kubelet per node (on the node stores, which hold the images), then
+    wait until Ready; each node's pod CIDR is a /24 of ``state.pod_network``."""
     from kubernetes import client, config
 
+    from tests.harness import node_stores
     from tests.harness.images import ImageBuilder
 
-    nodes.ensure_runtime(progress)
-    images = ImageBuilder(progress=progress).ensure()
+    builder = ImageBuilder(progress=progress)
+    images = builder.expected()
+    references = {image.reference: image.archive for image in images.values()}
+    if not build and (
+        builder.missing()
+        or nodes.missing_runtime()
+        or not node_stores.ready(count, list(references))
+    ):
+        raise ClusterError(
+            f"the images are not built or not in {count} node stores: run "
+            f"`python -m tests.cluster images --real-nodes {count}` first (the test command does)"
+        )
+    images = builder.ensure()
+    stores = node_stores.prepare(count, references, progress)
     directory = Path(state.directory)
     address = nodes.host_address()
     _start_cluster_dns(state, launcher, address, progress)
@@ -564,7 +640,7 @@ def _start_real_nodes(
             free_port(),
             free_port(),
             nodes.node_pod_cidr(ipaddress.IPv4Network(state.pod_network), index),
-            cache_root() / "containerd" / str(index),
+            stores[index],
         )
         nodes.clean_node(plan)  # what a killed earlier run left
         state.real_nodes.append(plan.record())
@@ -579,23 +655,22 @@ def _start_real_nodes(
             supervised=True,
         )
         _wait(
-            lambda plan=plan: nodes.containerd_answers(plan), 60, f"containerd of {plan.name}", log
+            lambda plan=plan: nodes.containerd_answers(plan.socket),
+            60,
+            f"containerd of {plan.name}",
+            log,
         )
-        state.components = launcher.components
-        if removed := nodes.remove_containers(plan):
+        if removed := nodes.remove_containers(plan.socket):
             # What a killed earlier cluster left in the kept store: a new node starts with
             # none, and the CRI plugin reads its containers only when containerd starts.
             progress(f"removed {removed} containers an earlier cluster left on {plan.name}")
             restart(state, f"containerd@{plan.name}")
             _wait(
-                lambda plan=plan: nodes.containerd_answers(plan),
+                lambda plan=plan: nodes.containerd_answers(plan.socket),
                 60,
                 f"containerd of {plan.name}",
                 log,
             )
-        nodes.import_images(
-            plan, {image.reference: image.archive for image in images.values()}, progress
-        )
         progress(f"starting the kubelet of {plan.name}")
         launcher.start(
             f"kubelet@{plan.name}",
@@ -615,8 +690,6 @@ def _start_real_nodes(
             ],
             supervised=True,
         )
-        state.components = launcher.components
-        state.save()
     progress(
         f"starting kube-proxy (iptables; one for the host the real nodes share; "
         f"pod network {state.pod_network})"
@@ -644,8 +717,6 @@ def _start_real_nodes(
         ],
         supervised=True,
     )
-    state.components = launcher.components
-    state.save()
     api = client.CoreV1Api(config.new_client_from_config(config_file=state.kubeconfig))
 
     def all_ready() -> bool:
@@ -663,7 +734,7 @@ def _start_real_nodes(
             for node in api.list_node(label_selector="=".join(nodes.REAL_NODE_LABEL)).items
         }
         parts = []
-        for component in launcher.components:
+        for component in state.components:
             if not component.name.startswith("kubelet@"):
                 continue
             name = component.name.split("@", 1)[1]
@@ -679,9 +750,9 @@ def _start_real_nodes(
             )
             text = Path(component.log).read_text(errors="replace")
             restarts = text.count(babysitter.RESTART_MARK)
-            state = "running" if is_running(component) else "exited"
+            running = "running" if is_running(component) else "exited"
             parts.append(
-                f"  {name}: {condition}; babysitter {state}, kubelet restarted {restarts} "
+                f"  {name}: {condition}; babysitter {running}, kubelet restarted {restarts} "
                 f"times; last errors of {component.log}:\n{log_excerpt(text)}"
             )
         return "\n".join(parts)

@@ -157,15 +157,26 @@ class ImageBuilder:
         reference = f"localhost/dlo-pause:{base_key()}"
         return BuiltImage("pause", reference, self.cache / base_key() / "pause.oci.tar")
 
-    def ensure(self) -> dict[str, BuiltImage]:
-        """Every image built and archived (idempotent); returns them by name."""
-        built = {
+    def expected(self) -> dict[str, BuiltImage]:
+        """Every image of the current sources, by name, built or not."""
+        images = {
             name: BuiltImage(name, self.reference(name), self.archive(name)) for name in IMAGES
         }
-        built["pause"] = self.pause
-        if all(
-            image.archive.is_file() and _image_exists(image.reference) for image in built.values()
-        ):
+        images["pause"] = self.pause
+        return images
+
+    def missing(self) -> list[str]:
+        """The images of the current sources not yet built and archived."""
+        return [
+            name
+            for name, image in self.expected().items()
+            if not (image.archive.is_file() and _image_exists(image.reference))
+        ]
+
+    def ensure(self) -> dict[str, BuiltImage]:
+        """Every image built and archived (idempotent); returns them by name."""
+        built = self.expected()
+        if not self.missing():
             return built
         ensure_host_tools(self.progress)
         self.cache.mkdir(parents=True, exist_ok=True)

@@ -444,40 +444,28 @@ def write_node_files(plan: NodePlan, sandbox_image: str) -> tuple[Path, Path]:
     return containerd, kubelet
 
 
-def _ctr(plan: NodePlan, *arguments: str) -> str:
-    command = ["ctr", "--address", str(plan.socket), "-n", "k8s.io", *arguments]
+def ctr(socket: Path, *arguments: str) -> str:
+    """``ctr`` against the containerd serving on ``socket``, in the CRI's namespace."""
+    command = ["ctr", "--address", str(socket), "-n", "k8s.io", *arguments]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise BuildError(f"`{' '.join(command)}` failed: {result.stderr[-2000:]}")
     return result.stdout
 
 
-def containerd_answers(plan: NodePlan) -> bool:
-    """containerd serves on the node's socket (the socket file alone may be a stale one)."""
-    command = ["ctr", "--address", str(plan.socket), "version"]
+def containerd_answers(socket: Path) -> bool:
+    """containerd serves on ``socket`` (the socket file alone may be a stale one)."""
+    command = ["ctr", "--address", str(socket), "version"]
     return subprocess.run(command, capture_output=True, check=False, timeout=10).returncode == 0
 
 
-def remove_containers(plan: NodePlan) -> int:
-    """Delete every container (and its task) in the node's store, which is kept across
-    clusters for its images; returns how many there were."""
-    for task in _ctr(plan, "tasks", "ls", "-q").split():
+def remove_containers(socket: Path) -> int:
+    """Delete every container (and its task) of the containerd on ``socket``, whose store is
+    kept across clusters for its images; returns how many there were."""
+    for task in ctr(socket, "tasks", "ls", "-q").split():
         with contextlib.suppress(BuildError):
-            _ctr(plan, "tasks", "delete", "--force", task)
-    containers = _ctr(plan, "containers", "ls", "-q").split()
+            ctr(socket, "tasks", "delete", "--force", task)
+    containers = ctr(socket, "containers", "ls", "-q").split()
     if containers:
-        _ctr(plan, "containers", "delete", *containers)
+        ctr(socket, "containers", "delete", *containers)
     return len(containers)
-
-
-def import_images(plan: NodePlan, images: dict[str, Path], progress: Progress) -> None:
-    """Remove every image but ``images`` (waiting for containerd to collect their content,
-    so a rebuilt worker image never sits twice on disk), then import those it lacks."""
-    present = set(_ctr(plan, "images", "ls", "-q").split())
-    stale = [reference for reference in present if reference not in images]
-    if stale:
-        _ctr(plan, "images", "rm", "--sync", *stale)
-    for reference, archive in images.items():
-        if reference not in present:
-            progress(f"importing {reference} into {plan.name}")
-            _ctr(plan, "images", "import", str(archive))

@@ -71,7 +71,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSt
         _cannot_run_real_nodes(f"real nodes need {missing_host_tools()}")
     directory = tmp_path_factory.mktemp("real-cluster")
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    state = up(directory, nodes=0, real_nodes=2, progress=progress)
+    state = up(directory, nodes=0, real_nodes=2, build=False, owned=True, progress=progress)
     try:
         yield state
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,14 @@ def images() -> dict[str, BuiltImage]:
     missing = missing_host_tools()
     if missing and os.geteuid() != 0:
         pytest.skip(f"building images needs root or these packages installed: {missing}")
-    return ImageBuilder(progress=lambda line: print(line, file=sys.stderr)).ensure()
+    builder = ImageBuilder()
+    if unbuilt := builder.missing():
+        pytest.fail(
+            f"images {', '.join(unbuilt)} not built: run `python -m tests.cluster images` "
+            "first (the test command does)",
+            pytrace=False,
+        )
+    return builder.expected()
 
 
 @pytest.fixture
