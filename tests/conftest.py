@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from dlo_worker.process.numerics import pin_cpu_blas_numerics
+from tests.support.budget import pytest_configure  # noqa: F401  (the suite's time budget)
 
 # In-process comparisons (tests/support/equivalence.py) run with the worker's CPU numerics.
 pin_cpu_blas_numerics()
