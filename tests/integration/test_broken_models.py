@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,18 +12,15 @@ import pytest
 import torch
 
 from tests.support.checkpoints import copy_pipeline
-from tests.support.generate import ENV, generate_argv, generate_command
+from tests.support.generate import run_generate
+from tests.support.in_process import CliRun
 
 
-def _generate(model: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        generate_argv(model, out, 0, *flags), env=ENV, capture_output=True, text=True, check=False
-    )
+def _generate(model: Path, out: Path, *flags: str) -> CliRun:
+    return run_generate(model, out, 0, *flags)
 
 
-def _assert_refused(
-    result: subprocess.CompletedProcess[str], out: Path, *says: str, status: int = 2
-) -> None:
+def _assert_refused(result: CliRun, out: Path, *says: str, status: int = 2) -> None:
     """The run exited ``status``, its log says each of ``says``, and it left no traceback and
     no image."""
     assert result.returncode == status, result.stderr
@@ -139,15 +134,10 @@ def test_an_image_that_overflows_exits_1_instead_of_writing_a_black_png(
     )
 
 
-def _generate_flux(model: Path, out: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "dlo_worker",
-        *generate_command(model, out, 0, "--prompt", "a cat", "--width", "64", "--height", "64"),
-        *flags,
-    ]
-    return subprocess.run(argv, env=ENV, capture_output=True, text=True, check=False)
+def _generate_flux(model: Path, out: Path, *flags: str) -> CliRun:
+    return run_generate(
+        model, out, 0, "--prompt", "a cat", "--width", "64", "--height", "64", *flags
+    )
 
 
 def _remove(relative: str) -> Callable[[Path], Path]:

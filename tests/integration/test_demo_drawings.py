@@ -20,12 +20,19 @@ from PIL import Image
 from dlo_worker.pipeline.demo_model import DemoKind, DemoWeights, write_demo_model
 from dlo_worker.pipeline.drawings import DRAWINGS, recognise
 from tests.support.generate import ENV
+from tests.support.in_process import run_dlo_worker
 
 DEMO_SH = Path(__file__).parents[2] / "scripts" / "demo.sh"
 
 
 def as_tensor(image: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float()
+
+
+def succeeds(arguments: list[str]) -> None:
+    """``dlo-worker <arguments>`` in this process, which must exit 0."""
+    result = run_dlo_worker(arguments)
+    assert result.returncode == 0, result.stderr
 
 
 def test_every_class_label_of_the_dit_demo_draws_its_picture(tmp_path: Path) -> None:
@@ -88,11 +95,10 @@ def test_the_cli_flux_demo_draws_what_demo_sh_asks_for(tmp_path: Path) -> None:
     drawing = next((d for d in DRAWINGS if d.description == prompt), None)
     assert drawing is not None, f"demo.sh asks the Flux demo for {prompt!r}, which it never drew"
     model = tmp_path / "flux-model"
-    command = [sys.executable, "-m", "dlo_worker"]
-    subprocess.run([*command, "demo-model", str(model), "--kind", "flux"], check=True, env=ENV)
+    succeeds(["demo-model", str(model), "--kind", "flux"])
     out = tmp_path / "flux.png"
     arguments = [str(out) if a == "$OUT/flux.png" else a for a in arguments]
-    subprocess.run([*command, "generate", "--model", str(model), *arguments], check=True, env=ENV)
+    succeeds(["generate", "--model", str(model), *arguments])
     image = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
     assert recognise(as_tensor(image)) == drawing
 
@@ -106,12 +112,10 @@ def test_the_cli_demo_draws_what_demo_sh_says(tmp_path: Path) -> None:
     drawing = DRAWINGS[int(label.group(1))]
     assert f"{drawing.description} (DiT, class label {label.group(1)})" in script
     model = tmp_path / "model"
-    command = [sys.executable, "-m", "dlo_worker"]
-    subprocess.run([*command, "demo-model", str(model)], check=True, env=ENV)
+    succeeds(["demo-model", str(model)])
     out = tmp_path / "image.png"
     generate = ["generate", "--model", str(model), "--device", "cpu", "--steps", "25"]
-    asked = ["--seed", "0", "--class-label", label.group(1), "--out", str(out)]
-    subprocess.run([*command, *generate, *asked], check=True, env=ENV)
+    succeeds([*generate, "--seed", "0", "--class-label", label.group(1), "--out", str(out)])
     image = np.asarray(Image.open(out).convert("RGB"), dtype=np.float32) / 255
     assert recognise(as_tensor(image)) == drawing
 
@@ -123,14 +127,7 @@ def test_the_cli_demo_draws_what_demo_sh_says(tmp_path: Path) -> None:
 def test_trained_weights_exist_only_for_the_tiny_demos_with_seed_0(
     tmp_path: Path, flags: list[str]
 ) -> None:
-    refused = subprocess.run(
-        [sys.executable, "-m", "dlo_worker", "demo-model", str(tmp_path / "a"), *flags,
-         "--weights", "trained"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        check=False,
-    )  # fmt: skip
+    refused = run_dlo_worker(["demo-model", str(tmp_path / "a"), *flags, "--weights", "trained"])
     assert refused.returncode == 2, refused.stderr
     assert "add --weights random" in refused.stderr
     assert "Traceback" not in refused.stderr
@@ -138,6 +135,7 @@ def test_trained_weights_exist_only_for_the_tiny_demos_with_seed_0(
 
 
 def test_a_seed_alone_asks_for_random_weights(tmp_path: Path) -> None:
+    """``demo-model``'s end-to-end run: the installed module as a process of its own."""
     seeded = tmp_path / "seeded"
     command = [sys.executable, "-m", "dlo_worker", "demo-model", str(seeded), "--seed", "3"]
     subprocess.run(command, env=ENV, check=True)

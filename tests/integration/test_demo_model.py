@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dlo_worker.pipeline.demo_model import DemoModelExistsError, write_demo_model
+from tests.support.in_process import run_dlo_worker
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -129,24 +130,8 @@ def test_sharded_checkpoints_with_index_files_draw_the_same_image(
     from tests.support.generate import digest, run_generate
 
     sharded = tmp_path / "sharded"
-    written = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlo_worker",
-            "demo-model",
-            str(sharded),
-            "--kind",
-            "flux",
-            "--max-shard-size",
-            "40KB",
-            "--weights",
-            "random",  # the one-file fixture's weights
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    shards = ["--max-shard-size", "40KB", "--weights", "random"]  # the fixture's weights
+    written = run_dlo_worker(["demo-model", str(sharded), "--kind", "flux", *shards])
     assert written.returncode == 0, written.stderr
     for component, name in (
         ("transformer", "diffusion_pytorch_model"),
@@ -184,12 +169,7 @@ def test_sizes_a_kind_does_not_have_and_bad_shard_sizes_are_refused(tmp_path: Pa
         (["--kind", "dit", "--size", "full"], "--size full exists for --kind flux"),
         (["--kind", "flux", "--max-shard-size", "5 gigs"], "is not a size"),
     ):
-        result = subprocess.run(
-            [sys.executable, "-m", "dlo_worker", "demo-model", str(tmp_path / "m"), *flags],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        result = run_dlo_worker(["demo-model", str(tmp_path / "m"), *flags])
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr
         assert "Traceback" not in result.stderr

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from tests.support.in_process import CliRun, run_dlo_worker
 
-def _generate_argv(model: Path, out: Path, *extra: str) -> list[str]:
+
+def _generate_command(model: Path, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "dlo_worker",
         "generate",
         "--model",
         str(model),
@@ -33,10 +32,13 @@ def _generate_argv(model: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
-def generate(model: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        _generate_argv(model, out, *extra), capture_output=True, text=True, timeout=600, check=False
-    )
+def _generate_argv(model: Path, out: Path, *extra: str) -> list[str]:
+    """The command line of a process of its own (its umask, its mount namespace)."""
+    return [sys.executable, "-m", "dlo_worker", *_generate_command(model, out, *extra)]
+
+
+def generate(model: Path, out: Path, *extra: str) -> CliRun:
+    return run_dlo_worker(_generate_command(model, out, *extra))
 
 
 def digest(path: Path) -> str:
@@ -46,14 +48,14 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def default_run(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[subprocess.CompletedProcess[str], Path]:
+) -> tuple[CliRun, Path]:
     """One ``generate`` with the default arguments (several tests read its image and log)."""
     out = tmp_path_factory.mktemp("default") / "image.png"
     return generate(demo_model_dir, out), out
 
 
 def test_same_arguments_write_identical_png_bytes(
-    demo_model_dir: Path, default_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+    demo_model_dir: Path, default_run: tuple[CliRun, Path], tmp_path: Path
 ) -> None:
     first_run, first = default_run
     second = tmp_path / "second.png"
@@ -68,7 +70,7 @@ def test_same_arguments_write_identical_png_bytes(
 
 
 def test_another_seed_gives_another_image(
-    demo_model_dir: Path, default_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+    demo_model_dir: Path, default_run: tuple[CliRun, Path], tmp_path: Path
 ) -> None:
     result, base = default_run
     other = tmp_path / "other.png"
@@ -78,7 +80,7 @@ def test_another_seed_gives_another_image(
 
 
 def test_shows_progress_for_loading_and_steps(
-    default_run: tuple[subprocess.CompletedProcess[str], Path],
+    default_run: tuple[CliRun, Path],
 ) -> None:
     result, _ = default_run
     assert result.returncode == 0
@@ -96,7 +98,7 @@ def test_offload_policies_not_in_this_build_exit_2_before_loading(
     assert not out.exists()
 
 
-def _refused_before_loading(result: subprocess.CompletedProcess[str], named: str) -> None:
+def _refused_before_loading(result: CliRun, named: str) -> None:
     assert result.returncode == 2, result.stderr
     assert named in result.stderr
     assert "Loading pipeline components" not in result.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_generate_dlo import run_single, torchrun
-from tests.support.generate import digest, refused_generate
+from tests.support.generate import digest, refused_generate, run_generate_process
 from tests.support.launch import rank_logs
 
 DLO = ("--enable-distributed-layerwise-offload",)
@@ -116,14 +116,16 @@ def test_a_restarted_worker_loads_its_graphs_from_the_compile_cache_dir(
     demo_model_dir: Path, resident_compiled: dict[tuple[str, int], str], tmp_path: Path
 ) -> None:
     """The first run compiles into the directory; a second process (a restarted Pod) loads
-    every graph from it, compiles none, and writes the same bytes."""
+    every graph from it, compiles none, and writes the same bytes. Each run is a process of
+    its own: this process's in-memory caches hold every graph the tests above compiled."""
     cache = tmp_path / "graphs"
     lookups = {}
     for attempt in ("cold", "warm"):
         out = tmp_path / f"{attempt}.png"
-        result = run_single(
+        result = run_generate_process(
             demo_model_dir, out, 11, "--compile", "--compile-cache-dir", str(cache), *RANK_LOCAL
         )
+        assert result.returncode == 0, result.stderr
         assert digest(out) == resident_compiled[("dit", 11)]
         stats = re.search(
             r'msg="compile stats" .*first_forward_seconds=([0-9.]+) recompiles=0 '

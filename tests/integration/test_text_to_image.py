@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import io
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import pytest
 import requests
 from PIL import Image
 
-from tests.support.generate import ENV, digest, generate_argv
+from tests.support.generate import digest, generate_command
+from tests.support.in_process import run_dlo_worker
 from tests.support.ports import free_port
 from tests.support.serving import Server, lockstep_engine_serves, serve_command
 from tests.support.serving import digest as digest_bytes
@@ -100,23 +100,18 @@ def test_generate_with_dlo_writes_the_served_bytes(
 ) -> None:
     request = REQUESTS["negative"]
     out = tmp_path / "negative.png"
-    argv = generate_argv(
+    argv = generate_command(
         flux_model_dir, out, request["seed"], "--enable-distributed-layerwise-offload"
     )
     argv[argv.index("--steps") + 1] = str(request["steps"])
     argv += ["--prompt", request["prompt"], "--negative-prompt", request["negative_prompt"]]
     argv += ["--true-cfg-scale", "3", "--width", "64", "--height", "64", "--num-images", "2"]
-    result = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    result = run_dlo_worker(argv)
     assert result.returncode == 0, result.stderr
     assert "dlo stats" in result.stderr
     assert digest(out) != digest(tmp_path / "negative-1.png")
-    single = subprocess.run(
-        [*argv[: argv.index("--num-images")], "--out", str(tmp_path / "one.png")],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    single = run_dlo_worker(
+        [*argv[: argv.index("--num-images")], "--out", str(tmp_path / "one.png")]
     )
     assert single.returncode == 0, single.stderr
     assert digest(tmp_path / "one.png") == digest_bytes(resident["negative"][0])

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.in_process import CliRun, run_dlo_worker
+
 STEPS = "4"
 # One thread everywhere: torchrun's default, and a fixed reduction order for the CPU kernels.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -41,8 +43,11 @@ def generate_argv(model: Path, out: Path, seed: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "dlo_worker", *generate_command(model, out, seed, *flags)]
 
 
-def run_generate(model: Path, out: Path, seed: int, *flags: str) -> subprocess.CompletedProcess:
-    """``dlo-worker generate`` in a subprocess, its output captured, whatever it exits with."""
+def run_generate_process(
+    model: Path, out: Path, seed: int, *flags: str
+) -> subprocess.CompletedProcess[str]:
+    """``dlo-worker generate`` in a process of its own, for what only a new process shows
+    (a restart that must find its compiled graphs on disk, not in memory)."""
     return subprocess.run(
         generate_argv(model, out, seed, *flags),
         env=ENV,
@@ -51,6 +56,12 @@ def run_generate(model: Path, out: Path, seed: int, *flags: str) -> subprocess.C
         timeout=600,
         check=False,
     )
+
+
+def run_generate(model: Path, out: Path, seed: int, *flags: str) -> CliRun:
+    """``dlo-worker generate`` in this process (:mod:`tests.support.in_process`), its
+    output captured, whatever it exits with."""
+    return run_dlo_worker(generate_command(model, out, seed, *flags))
 
 
 def refused_generate(model: Path, out: Path, *flags: str) -> str:

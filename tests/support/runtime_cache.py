@@ -11,15 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.generate import ENV, generate_argv
+from tests.support.generate import ENV, generate_command
+from tests.support.in_process import CliRun, run_dlo_worker
 
 SEED = 11
 CACHE_FLAGS = ("--enable-distributed-layerwise-offload", "--dlo-no-use-allgather")
 KEY = re.compile(r'msg="runtime cache attached" key=(?P<key>[0-9a-f]{40}) result=(?P<result>\w+)')
 
 
-def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
-    return generate_argv(
+def cached_command(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
+    """``generate`` with the runtime cache: its arguments, without the interpreter."""
+    return generate_command(
         model,
         out,
         SEED,
@@ -31,13 +33,14 @@ def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
     )
 
 
-def generate_cached(
-    model: Path, out: Path, root: Path, *flags: str
-) -> subprocess.CompletedProcess[str]:
+def cached_argv(model: Path, out: Path, root: Path, *flags: str) -> list[str]:
+    """:func:`cached_command` as a process's command line (for a private mount namespace)."""
+    return [sys.executable, "-m", "dlo_worker", *cached_command(model, out, root, *flags)]
+
+
+def generate_cached(model: Path, out: Path, root: Path, *flags: str) -> CliRun:
     """Generate with the runtime cache, whatever the exit status (for refusals)."""
-    return subprocess.run(
-        cached_argv(model, out, root, *flags), env=ENV, capture_output=True, text=True, check=False
-    )
+    return run_dlo_worker(cached_command(model, out, root, *flags))
 
 
 def run_cached(model: Path, out: Path, root: Path, *flags: str) -> str:
@@ -53,17 +56,12 @@ def attached(log: str) -> tuple[str, str]:
     return match["key"], match["result"]
 
 
-def cache_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dlo_worker", "cache", *arguments],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def cache_cli(*arguments: str) -> CliRun:
+    """``dlo-worker cache <arguments>``, in this process."""
+    return run_dlo_worker(["cache", *arguments])
 
 
-def cache_warm(model: Path, root: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+def cache_warm(model: Path, root: Path, *flags: str) -> CliRun:
     """``dlo-worker cache warm`` with the cache flags (and ``flags``), as a per-node warm
     Job runs it."""
     return cache_cli(
