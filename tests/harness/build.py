@@ -173,6 +173,36 @@ def _run(command: list[str], cwd: Path, env: dict[str, str]) -> None:
         raise BuildError(f"`{' '.join(command)}` failed in {cwd}:\n{tail}")
 
 
+PROGRESS_INTERVAL_S = 60.0
+
+
+def _go_build(
+    arguments: list[str], cwd: Path, env: dict[str, str], label: str, progress: Progress
+) -> None:
+    """``go build -v <arguments>``, saying every minute how many packages it has compiled
+    (``-v`` names each one as it is built): the first build of the Kubernetes binaries
+    takes ten minutes on two cores, and a silent step that long looks hung."""
+    command = ["go", "build", "-v", *arguments]
+    started = last_report = time.monotonic()
+    compiled = 0
+    output: list[str] = []
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line.rstrip())
+            compiled += not line.startswith(("#", " ", "go: "))
+            if time.monotonic() - last_report >= PROGRESS_INTERVAL_S:
+                last_report = time.monotonic()
+                progress(
+                    f"{label}: {compiled} packages compiled in {last_report - started:.0f} s ..."
+                )
+    if process.returncode != 0:
+        tail = "\n".join(output[-25:])
+        raise BuildError(f"`{' '.join(command)}` failed in {cwd}:\n{tail}")
+
+
 def _go_mod_text(module: str, version: str, env: dict[str, str], cwd: Path) -> str:
     result = subprocess.run(
         ["go", "mod", "download", "-json", f"{module}@{version}"],
@@ -267,10 +297,8 @@ class Builder:
         partial = self.bin / ".kubernetes.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
-        _run(
+        _go_build(
             [
-                "go",
-                "build",
                 "-trimpath",
                 "-ldflags",
                 kubernetes_ldflags(v.kubernetes),
@@ -280,6 +308,8 @@ class Builder:
             ],
             workspace,
             self.env,
+            ", ".join(names),
+            self.progress,
         )
         for name in names:
             _install(partial / name, self.bin / name)
@@ -329,10 +359,12 @@ class Builder:
         if package == ".":
             _run(["go", "mod", "tidy"], workspace, self.env)
         built = self.bin / f".{name}.partial"
-        _run(
-            ["go", "build", "-trimpath", "-ldflags", ldflags, "-o", str(built), package],
+        _go_build(
+            ["-trimpath", "-ldflags", ldflags, "-o", str(built), package],
             workspace,
             self.env,
+            name,
+            self.progress,
         )
         _install(built, self.bin / name)
         if name in STAMPED:
