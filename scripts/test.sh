@@ -43,13 +43,19 @@ lint() {
 }
 timed lint lint
 
-# The real-node tier runs where this machine can host real nodes (root, or the image tools
-# installed); .ci/run requires it.
+# Images are built where buildah can run (root, or buildah, debootstrap and runc
+# installed); the real-node tier runs as root (containerd, cgroups, bridges). .ci/run
+# requires both.
+IMAGES=0
 REAL_NODES=0
-if [ "$(id -u)" = 0 ] || python -c "import sys; from tests.harness.images import missing_host_tools; sys.exit(bool(missing_host_tools()))"; then
+if [ "$(id -u)" = 0 ]; then
+  IMAGES=1
   REAL_NODES=2
-elif [ "${DLO_REQUIRE_REAL_NODES:-0}" = 1 ]; then
-  echo "error: DLO_REQUIRE_REAL_NODES=1 (set by .ci/run) but building images needs root or buildah, debootstrap and runc installed" >&2
+elif python -c "import sys; from tests.harness.images import missing_host_tools; sys.exit(bool(missing_host_tools()))"; then
+  IMAGES=1
+fi
+if [ "$REAL_NODES" = 0 ] && [ "${DLO_REQUIRE_REAL_NODES:-0}" = 1 ]; then
+  echo "error: DLO_REQUIRE_REAL_NODES=1 (set by .ci/run) but real nodes need root (containerd, cgroups, bridges)" >&2
   exit 1
 fi
 
@@ -68,11 +74,15 @@ echo "==> control-plane binaries (built once from Go modules, then cached) and i
 prepare binaries python -m tests.cluster build --real-nodes "$REAL_NODES" &
 binaries=$!
 images=""
-if [ "$REAL_NODES" -gt 0 ]; then
+if [ "$IMAGES" = 1 ]; then
   # buildah on a debootstrapped base, rebuilt when their sources change; then imported
   # into the real nodes' containerd stores (once: the stores are kept in the cache).
-  { prepare images python -m tests.cluster images &&
-      prepare node-stores python -m tests.cluster images --real-nodes "$REAL_NODES"; } &
+  {
+    prepare images python -m tests.cluster images &&
+      if [ "$REAL_NODES" -gt 0 ]; then
+        prepare node-stores python -m tests.cluster images --real-nodes "$REAL_NODES"
+      fi
+  } &
   images=$!
 else
   echo "    images skipped: building images needs root or buildah, debootstrap and runc installed"
