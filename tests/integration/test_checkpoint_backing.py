@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from prometheus_client import REGISTRY
 
 from dlo_worker.cli.main import main as worker_main
@@ -37,6 +36,7 @@ from tests.support.checkpoints import (
 )
 from tests.support.launch import join_world_as
 from tests.support.ports import free_port
+from tests.support.ranks import spawn_ranks
 
 VARIANTS = ("single", "sharded", "fused")
 CPU = torch.device("cpu")
@@ -339,12 +339,7 @@ def _sharing_rank(rank: int, world_size: int, port: int, model: str, out: str) -
 def test_processes_share_the_checkpoint_pages(variants, tmp_path: Path) -> None:
     import json
 
-    mp.spawn(
-        _sharing_rank,
-        args=(2, free_port(), str(variants["sharded"]), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_sharing_rank, (2, free_port(), str(variants["sharded"]), str(tmp_path)), 2)
     for rank in range(2):
         usage = json.loads((tmp_path / f"{rank}.json").read_text())
         assert usage["copied_on_write"] == 0  # the mapping was never written to

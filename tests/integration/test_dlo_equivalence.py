@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dlo_worker.offload import enable_dlo
 from dlo_worker.offload.layout import shard_numel
 from tests.support.equivalence import RANK_LOCAL_CASES, check_allgather_rank, run_equivalence
+from tests.support.ranks import spawn_ranks
 from tests.support.tiny_models import plain_stack, tiny_dit, tiny_flux
 
 CPU = torch.device("cpu")
@@ -177,6 +177,4 @@ def _expected_shard_bytes(name: str, options: dict, world_size: int) -> int:
 def test_allgather_over_gloo_is_bitwise_equal_and_keeps_one_nth_on_the_host(
     world_size: int, tmp_path: Path
 ) -> None:
-    mp.spawn(
-        _allgather_rank, args=(world_size, str(tmp_path / "store")), nprocs=world_size, join=True
-    )
+    spawn_ranks(_allgather_rank, (world_size, str(tmp_path / "store")), world_size)

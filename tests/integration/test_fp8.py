@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dlo_worker.offload import enable_dlo
@@ -24,6 +23,7 @@ from dlo_worker.pipeline.quantization import (
 )
 from tests.support.checkpoints import copy_pipeline
 from tests.support.generate import ENV, digest, generate_argv
+from tests.support.ranks import spawn_ranks
 from tests.support.runtime_cache import (
     SEED,
     attached,
@@ -165,7 +165,7 @@ def _allgather_rank(rank: int, store: str) -> None:
 
 
 def test_fp8_allgather_over_gloo_is_bitwise_equal_to_fp8_resident(tmp_path: Path) -> None:
-    mp.spawn(_allgather_rank, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+    spawn_ranks(_allgather_rank, (str(tmp_path / "store"),), 2)
 
 
 def test_generate_with_fp8_and_dlo_writes_the_fp8_resident_bytes(

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dlo_worker.config import ParallelOptions, ShardingGroup
 from dlo_worker.offload import enable_dlo
@@ -23,6 +22,7 @@ from dlo_worker.process.topology import group_ranks, rank_coordinates
 from tests.support.generate import ENV, digest, generate_command
 from tests.support.launch import rank_logs, torchrun_command
 from tests.support.ports import free_port
+from tests.support.ranks import spawn_ranks
 from tests.support.serving import Server, serve_command
 from tests.support.serving import digest as digest_bytes
 from tests.support.tiny_models import tiny_flux, tiny_wan
@@ -114,12 +114,7 @@ def _rank(rank: int, world_size: int, store: str, data_parallel: int) -> None:
 def test_sp_with_dlo_is_bitwise_equal_to_sp_without_dlo(
     world_size: int, data_parallel: int, tmp_path: Path
 ) -> None:
-    mp.spawn(
-        _rank,
-        args=(world_size, str(tmp_path / "store"), data_parallel),
-        nprocs=world_size,
-        join=True,
-    )
+    spawn_ranks(_rank, (world_size, str(tmp_path / "store"), data_parallel), world_size)
 
 
 # --- the worker as users run it: torchrun, the CLI, HTTP ----------------------------------

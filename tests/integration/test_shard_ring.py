@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dlo_worker.offload import OffloadConfig, enable_dlo
 from tests.support.equivalence import check_shard_ring_rank
+from tests.support.ranks import spawn_ranks
 from tests.support.tiny_models import plain_stack
 
 CPU = torch.device("cpu")
@@ -60,7 +60,7 @@ def _staged_ahead_rank(rank: int, world_size: int, store_path: str, depth: int) 
 def test_shards_are_copied_ahead_of_their_gather_and_stay_bitwise(
     depth: int, tmp_path: Path
 ) -> None:
-    mp.spawn(_staged_ahead_rank, args=(2, str(tmp_path / "store"), depth), nprocs=2, join=True)
+    spawn_ranks(_staged_ahead_rank, (2, str(tmp_path / "store"), depth), 2)
 
 
 def test_a_ring_of_fewer_than_two_shard_buffers_is_refused() -> None:

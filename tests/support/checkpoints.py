@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from dlo_worker.config import WorkerConfig, build_config, load_settings
@@ -23,6 +22,7 @@ from dlo_worker.loader.diffusers_loader import DiffusersPipelineLoader
 from dlo_worker.offload import DistributedLayerwiseOffloadBackend, OffloadConfig, OffloadStats
 from dlo_worker.process.worker import Worker
 from tests.support.ports import free_port
+from tests.support.ranks import spawn_ranks
 
 FORWARDS = 3
 QKV = re.compile(r"^(?P<attention>.+)\.to_q\.(?P<kind>weight|bias)$")
@@ -186,9 +186,4 @@ def spawn_against_resident(
     processes, ``expected`` being the file the resident outputs were saved to."""
     expected = tmp_path / "resident.pt"
     torch.save(resident, expected)
-    mp.spawn(
-        rank_main,
-        args=(world_size, free_port(), str(model), str(expected)),
-        nprocs=world_size,
-        join=True,
-    )
+    spawn_ranks(rank_main, (world_size, free_port(), str(model), str(expected)), world_size)
