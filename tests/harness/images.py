@@ -133,6 +133,20 @@ def _image_exists(reference: str) -> bool:
     return result.returncode == 0
 
 
+def _remove_leftover_containers() -> None:
+    """Working containers a killed build left (of the base image being made, or of a
+    Dockerfile's stages): each holds a writable layer until removed. Called under the
+    build lock, before any build, when no test uses a container of these images."""
+    listed = _run(["buildah", "containers", "--format", "{{.ContainerID}} {{.ImageName}}"])
+    leftovers = [
+        fields[0]
+        for fields in (line.split() for line in listed.splitlines())
+        if fields and (len(fields) == 1 or fields[1].startswith(("localhost/dlo-", "scratch")))
+    ]
+    if leftovers:
+        _run(["buildah", "rm", *leftovers])
+
+
 class ImageBuilder:
     """Builds the base image and every image of :data:`IMAGES` that is missing."""
 
@@ -182,6 +196,7 @@ class ImageBuilder:
         self.cache.mkdir(parents=True, exist_ok=True)
         with (self.cache / ".build.lock").open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            _remove_leftover_containers()
             self._ensure_base()
             for image in built.values():
                 if not _image_exists(image.reference):
