@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -143,25 +142,14 @@ def test_blocks_dlo_cannot_find_exit_2_before_weights_load(
 ) -> None:
     """Discovery runs on the meta model: a wrong --dlo-block-paths is one line, exit 2."""
     out = tmp_path / "never.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlo_worker",
-            *generate_command(
-                demo_model_dir,
-                out,
-                0,
-                "--enable-distributed-layerwise-offload",
-                "--dlo-no-use-allgather",
-                "--dlo-block-paths",
-                "pos_embed",
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    result = run_generate(
+        demo_model_dir,
+        out,
+        0,
+        "--enable-distributed-layerwise-offload",
+        "--dlo-no-use-allgather",
+        "--dlo-block-paths",
+        "pos_embed",
     )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

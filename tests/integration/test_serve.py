@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.in_process import run_dlo_worker
 from tests.support.launch import (
     launch_command,
     rank_logs,
@@ -60,28 +61,11 @@ def test_served_image_equals_the_generate_command(
     demo_model_dir: Path, tmp_path: Path, resident_digests: dict[int, str]
 ) -> None:
     out = tmp_path / "generated.png"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dlo_worker",
-            "generate",
-            "--model",
-            str(demo_model_dir),
-            "--device",
-            "cpu",
-            "--seed",
-            "5",
-            "--steps",
-            "4",
-            "--out",
-            str(out),
-        ],
-        env=ENV,
-        check=True,
-        capture_output=True,
-        timeout=600,
+    model = ["--model", str(demo_model_dir), "--device", "cpu"]
+    generated = run_dlo_worker(
+        ["generate", *model, "--seed", "5", "--steps", "4", "--out", str(out)]
     )
+    assert generated.returncode == 0, generated.stderr
     assert digest(out.read_bytes()) == resident_digests[5]
 
 

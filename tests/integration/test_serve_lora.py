@@ -12,7 +12,6 @@ queued before it while new requests stop naming the adapter at once."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -22,10 +21,11 @@ import pytest
 import requests
 
 from tests.integration.test_text_to_image import images_of
+from tests.support.in_process import run_dlo_worker
 from tests.support.launch import rank_logs, torchrun_command
 from tests.support.lora import write_flux_lora
 from tests.support.ports import free_port
-from tests.support.serving import ENV, Server, lockstep_engine_serves, serve_command
+from tests.support.serving import Server, lockstep_engine_serves, serve_command
 
 BASE = {"prompt": "a red cat", "steps": 2, "width": 32, "height": 32, "seed": 4}
 REQUESTS = {
@@ -308,13 +308,6 @@ def test_lora_loading_that_cannot_run_exits_2_before_loading(
         str(tmp_path),
         *flags,
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "dlo_worker", *command],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_dlo_worker(command)  # refused before it serves: in this process
     assert result.returncode == 2, result.stderr
     assert message in result.stderr

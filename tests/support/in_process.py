@@ -71,7 +71,7 @@ def run_dlo_worker(argv: Sequence[str], *, threads: int = THREADS) -> CliRun:
     subprocess; an argparse refusal exits 2."""
     from dlo_worker.cli.main import main
 
-    arguments = [str(argument) for argument in argv]
+    arguments = list(argv)
     stdout, stderr = io.StringIO(), io.StringIO()
     with (
         _process_state_restored(threads),
