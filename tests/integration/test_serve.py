@@ -86,14 +86,8 @@ def test_serve_defaults_fill_what_a_request_leaves_out_and_are_checked_at_start(
     assert digest(defaulted.content) == resident_digests[7]
     assert digest(explicit.content) == resident_digests[5]
 
-    refused = subprocess.run(
-        [*command, "--default-width", "64"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    # Refused before it serves: in this process.
+    refused = run_dlo_worker([*serve_command(demo_model_dir, port), "--default-width", "64"])
     assert refused.returncode == 2, refused.stderr
     assert "Traceback" not in refused.stderr
     assert "--default-width: DiTPipeline draws 128x128 images only; leave --default-width out" in (

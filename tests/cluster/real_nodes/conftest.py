@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -83,3 +83,23 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSt
             line.split()[1].startswith(str(directory / "nodes"))
             for line in Path("/proc/mounts").read_text().splitlines()
         )
+
+
+@pytest.fixture(scope="session")
+def host_png(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., bytes]:
+    """The PNG bytes ``dlo-worker generate`` writes on the host for the demo request
+    (:func:`tests.support.generate.host_generate`) with the given flags: what an image, a
+    Pod or a Service of this tier must reproduce. Each set of flags runs once per session
+    (a compiled run compiles for a minute), on a demo model written here."""
+    from dlo_worker.pipeline.demo_model import write_demo_model
+    from tests.support.generate import host_generate
+
+    model = write_demo_model(tmp_path_factory.mktemp("host") / "model")
+    made: dict[tuple[str, ...], bytes] = {}
+
+    def png(*flags: str) -> bytes:
+        if flags not in made:
+            made[flags] = host_generate(model, model.parent / f"{len(made)}.png", *flags)
+        return made[flags]
+
+    return png

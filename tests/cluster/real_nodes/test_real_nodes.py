@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ from tests.harness import babysitter
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
 from tests.support.deployments import deployment_spec
-from tests.support.generate import demo_flags, host_generate
+from tests.support.generate import demo_flags
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def probe_script(url: str) -> str:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
-    core, namespace: str, tmp_path: Path, compiled: bool
+    core, namespace: str, tmp_path: Path, compiled: bool, host_png: Callable[..., bytes]
 ) -> None:
     """In the container the operator renders (its user, a read-only root filesystem, /tmp
     and $HOME on emptyDirs, the model mounted read-only), eager and with ``--compile``,
@@ -143,9 +143,7 @@ def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     core.create_namespaced_pod(namespace, body)
     phase = finished(core, namespace, "generate", 300)
     assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
-    host = host_generate(
-        tmp_path / "model", tmp_path / "host.png", *(["--compile"] if compiled else [])
-    )
+    host = host_png(*(["--compile"] if compiled else []))
     assert (tmp_path / "out" / "image.png").read_bytes() == host
 
 
