@@ -99,3 +99,24 @@ def host_generate(model: Path, out: Path, *flags: str) -> bytes:
     )
     assert result.returncode == 0, result.stderr
     return out.read_bytes()
+
+
+class HostReference:
+    """The demo model as ``dlo-worker demo-model DIR`` writes it (its defaults: the trained
+    tiny DiT), and the PNG bytes ``dlo-worker generate`` writes from it on the host for the
+    demo request (:func:`host_generate`): what every image, Pod and Service of the
+    real-node tier must reproduce."""
+
+    def __init__(self, directory: Path) -> None:
+        self.model = directory / "model"
+        written = run_dlo_worker(["demo-model", str(self.model)])
+        assert written.returncode == 0, written.stderr
+        self._made: dict[tuple[str, ...], bytes] = {}
+
+    def png(self, *flags: str) -> bytes:
+        """The host's bytes with ``flags``, generated once per set of flags (a compiled
+        run compiles for a minute)."""
+        if flags not in self._made:
+            out = self.model.parent / f"{len(self._made)}.png"
+            self._made[flags] = host_generate(self.model, out, *flags)
+        return self._made[flags]

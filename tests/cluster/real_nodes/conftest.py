@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from tests.harness import nodes
 from tests.harness.control_plane import ClusterState, down, up
 from tests.harness.diagnostics import cluster_report
 from tests.harness.images import missing_host_tools
+from tests.support.generate import HostReference
 
 REQUIRE_REAL_NODES = "DLO_REQUIRE_REAL_NODES"
 """Set to 1 (``.ci/run`` does) and a machine that cannot host real nodes fails the tier
@@ -86,20 +87,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSt
 
 
 @pytest.fixture(scope="session")
-def host_png(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., bytes]:
-    """The PNG bytes ``dlo-worker generate`` writes on the host for the demo request
-    (:func:`tests.support.generate.host_generate`) with the given flags: what an image, a
-    Pod or a Service of this tier must reproduce. Each set of flags runs once per session
-    (a compiled run compiles for a minute), on a demo model written here."""
-    from dlo_worker.pipeline.demo_model import write_demo_model
-    from tests.support.generate import host_generate
-
-    model = write_demo_model(tmp_path_factory.mktemp("host") / "model")
-    made: dict[tuple[str, ...], bytes] = {}
-
-    def png(*flags: str) -> bytes:
-        if flags not in made:
-            made[flags] = host_generate(model, model.parent / f"{len(made)}.png", *flags)
-        return made[flags]
-
-    return png
+def host(tmp_path_factory: pytest.TempPathFactory) -> HostReference:
+    """One :class:`~tests.support.generate.HostReference` for the tier (its model is read
+    only)."""
+    return HostReference(tmp_path_factory.mktemp("host"))

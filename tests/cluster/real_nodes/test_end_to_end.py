@@ -14,7 +14,7 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,7 +31,7 @@ from dlo_operator.render import LABEL_DEPLOYMENT, LABEL_ROLE
 from tests.cluster.helpers import CHART, cluster_tool, eventually
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
-from tests.support.generate import DEMO_REQUEST
+from tests.support.generate import DEMO_REQUEST, HostReference
 
 NAMESPACE, NAME, RELEASE = "e2e", "demo", "dlo"
 ENGINES, PODS_PER_ENGINE = 2, 2
@@ -134,7 +134,7 @@ def deployment(
     real_cluster: ClusterState,
     operator_release: Path,
     tmp_path_factory,
-    host_png: Callable[..., bytes],
+    host: HostReference,
 ) -> Iterator[Deployment]:
     models = tmp_path_factory.mktemp("models")
     created = subprocess.run(
@@ -180,7 +180,7 @@ def deployment(
         api,
         manifest,
         operator_release,
-        host_png(),
+        host.png(),
     )
     applied = result.kubectl("apply", "-f", str(manifest))
     assert applied.returncode == 0, applied.stderr

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.harness.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
-from tests.support.generate import demo_flags
+from tests.support.generate import HostReference, demo_flags
 
 WORKER_UID = 65532
 
@@ -103,7 +103,7 @@ def test_the_worker_image_carries_the_native_staging_ring(container: str) -> Non
 @pytest.mark.parametrize("container", ["worker"], indirect=True)
 @pytest.mark.parametrize("flags", [[], ["--compile"]], ids=["eager", "compiled"])
 def test_the_worker_image_generates_the_hosts_bytes(
-    container: str, tmp_path: Path, flags: list[str], host_png: Callable[..., bytes]
+    container: str, tmp_path: Path, flags: list[str], host: HostReference
 ) -> None:
     """The image's torch and diffusers produce the same PNG as the host's for the demo.
     ``--compile`` builds kernels while the worker runs (inductor's C++ on the CPU, Triton's
@@ -122,5 +122,5 @@ def test_the_worker_image_generates_the_hosts_bytes(
         "/data/image.png",
         volume=tmp_path,
     )
-    host = host_png(*flags)  # the host's own demo model: the image's writes the same
-    assert (tmp_path / "image.png").read_bytes() == host
+    # the host's own demo model: the image's demo-model writes the same
+    assert (tmp_path / "image.png").read_bytes() == host.png(*flags)

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +25,12 @@ from dlo_operator.render.pod_spec import (
     volumes_and_mounts,
 )
 from dlo_operator.workerconfig import compile_cache_dir
-from dlo_worker.pipeline.demo_model import write_demo_model
 from tests.cluster.helpers import eventually
 from tests.harness import babysitter
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
 from tests.support.deployments import deployment_spec
-from tests.support.generate import demo_flags
+from tests.support.generate import HostReference, demo_flags
 
 
 @pytest.fixture(scope="module")
@@ -89,16 +88,17 @@ def probe_script(url: str) -> str:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
-    core, namespace: str, tmp_path: Path, compiled: bool, host_png: Callable[..., bytes]
+    core,
+    namespace: str,
+    tmp_path: Path,
+    compiled: bool,
+    host: HostReference,
 ) -> None:
     """In the container the operator renders (its user, a read-only root filesystem, /tmp
     and $HOME on emptyDirs, the model mounted read-only), eager and with ``--compile``,
     whose kernels are built in the container (the compile cache where the operator puts
     it)."""
-    spec = deployment_spec(
-        model={"hostPath": str(tmp_path / "model")}, compile={"enabled": compiled}
-    )
-    write_demo_model(tmp_path / "model")
+    spec = deployment_spec(model={"hostPath": str(host.model)}, compile={"enabled": compiled})
     (tmp_path / "out").mkdir(mode=0o777)
     (tmp_path / "out").chmod(0o777)
     pod_context, container_context = security_contexts(spec)
@@ -143,8 +143,8 @@ def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     core.create_namespaced_pod(namespace, body)
     phase = finished(core, namespace, "generate", 300)
     assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
-    host = host_png(*(["--compile"] if compiled else []))
-    assert (tmp_path / "out" / "image.png").read_bytes() == host
+    expected = host.png(*(["--compile"] if compiled else []))
+    assert (tmp_path / "out" / "image.png").read_bytes() == expected
 
 
 def routed_device(address: str) -> str:
