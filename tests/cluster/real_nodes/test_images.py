@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness.images import RUNTIME, BuiltImage, ImageBuilder, missing_host_tools
-from tests.support.generate import HostReference, demo_flags
+from tests.support.generate import HostReference, demo_flags, digest
+from tests.support.serving import digest as digest_bytes
 
 WORKER_UID = 65532
 
@@ -123,4 +124,4 @@ def test_the_worker_image_generates_the_hosts_bytes(
         volume=tmp_path,
     )
     # the host's own demo model: the image's demo-model writes the same
-    assert (tmp_path / "image.png").read_bytes() == host.png(*flags)
+    assert digest(tmp_path / "image.png") == digest_bytes(host.png(*flags))

@@ -30,7 +30,8 @@ from tests.harness import babysitter
 from tests.harness.control_plane import ClusterState
 from tests.harness.images import ImageBuilder
 from tests.support.deployments import deployment_spec
-from tests.support.generate import HostReference, demo_flags
+from tests.support.generate import HostReference, demo_flags, digest
+from tests.support.serving import digest as digest_bytes
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +145,7 @@ def test_a_worker_pod_on_a_real_node_generates_the_hosts_bytes(
     phase = finished(core, namespace, "generate", 300)
     assert phase == "Succeeded", core.read_namespaced_pod_log("generate", namespace)
     expected = host.png(*(["--compile"] if compiled else []))
-    assert (tmp_path / "out" / "image.png").read_bytes() == expected
+    assert digest(tmp_path / "out" / "image.png") == digest_bytes(expected)
 
 
 def routed_device(address: str) -> str:
