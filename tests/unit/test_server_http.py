@@ -85,21 +85,41 @@ def test_invalid_bodies_get_422_naming_the_field(
     assert len(state.queue) == 0
 
 
-def test_a_body_over_the_limit_is_refused(leader: tuple[str, ServerState]) -> None:
-    """Refused from the declared length, before the body is read. The client sends only
-    the headers: the server closes at once, so a client still writing 2 MiB could see a
-    connection reset instead of the 413 (it did, now and then)."""
-    url, _ = leader
+def _declared_oversize_status(url: str) -> int:
+    """POST the headers of a 2 MiB body and nothing else: the server refuses from the
+    declared length and closes at once, so a client still writing 2 MiB could see a
+    connection reset instead of the answer (it did, now and then). Its status."""
     connection = http.client.HTTPConnection(urllib.parse.urlsplit(url).netloc, timeout=5)
     try:
         connection.putrequest("POST", GENERATE_PATH)
         connection.putheader("Content-Length", str(2 << 20))
         connection.endheaders()
         response = connection.getresponse()
-        assert response.status == 413
         assert "body over" in json.loads(response.read())["error"]
+        return response.status
     finally:
         connection.close()
+
+
+def test_a_body_over_the_limit_is_refused(leader: tuple[str, ServerState]) -> None:
+    """Refused from the declared length, before the body is read."""
+    assert _declared_oversize_status(leader[0]) == 413
+
+
+def test_only_refused_requests_count_as_rejected_invalid(
+    leader: tuple[str, ServerState],
+) -> None:
+    """A request with a body that is not refused for it (here: intake closed, 503) leaves
+    ``rejected_invalid`` alone; one over the size limit counts once (issue 61: every
+    request with a body counted, the 413 being built before it was needed)."""
+    url, _ = leader
+    before = _counter("rejected_invalid")
+    for _ in range(3):
+        response = requests.post(f"{url}{GENERATE_PATH}", json={"seed": 1}, timeout=5)
+        assert response.status_code == 503
+    assert _counter("rejected_invalid") == before
+    assert _declared_oversize_status(url) == 413
+    assert _counter("rejected_invalid") == before + 1
 
 
 def test_unknown_routes_and_non_leaders(leader: tuple[str, ServerState]) -> None:

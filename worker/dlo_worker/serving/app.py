@@ -157,8 +157,10 @@ class ServerState:
 
 
 class APIError(Exception):
-    """An error answer: status, one-line message, extra headers, and whether the
-    connection must close (its body may be unread, so it cannot carry another request)."""
+    """An error answer: status, one-line message, extra headers, whether the connection
+    must close (its body may be unread, so it cannot carry another request), and the
+    ``dlo_requests_total`` outcome it counts as, once it is answered (an error built in
+    advance and never raised counts nothing)."""
 
     def __init__(
         self,
@@ -173,10 +175,9 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
+        self.outcome = outcome
         if close:
             self.headers["Connection"] = "close"
-        if outcome is not None:
-            metrics.REQUESTS.labels(outcome=outcome).inc()
 
 
 def describe_body_error(error: ValidationError) -> str:
@@ -201,6 +202,8 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
+        if error.outcome is not None:
+            metrics.REQUESTS.labels(outcome=error.outcome).inc()
         return _error_response(request, error.status, error.message, error.headers)
 
     @app.exception_handler(HTTPException)
