@@ -101,7 +101,7 @@ def _other_flux_lora(directory: Path, **shape: int) -> Path:
         ("missing", "does not exist; give a LoRA safetensors file"),
         ("truncated", "cannot load it (OSError: Unable to load weights"),
         ("more blocks", "has no layer for"),
-        ("another width", "cannot load it"),
+        ("another width", "but FluxPipeline's transformer."),
     ],
 )
 def test_an_adapter_that_cannot_apply_exits_2_naming_it(

@@ -117,9 +117,6 @@ class Worker:
         compilation.check_device(self.config.effective().compile, self.device)
         diffusers_offload.check_model(policy, self.model_dir, DIT_COMPONENTS)
         lora.check_files(self.config.model.lora_adapters)
-        lora.check_ranks(
-            self.config.model.switchable_lora_adapters, self.config.model.max_lora_rank
-        )
         sequence_parallel.check_model(self.model_dir, DIT_COMPONENTS, self.config.parallel)
         if self.config.offload.dlo_staging == Staging.RING:
             staging_ring.check_built()
@@ -139,7 +136,7 @@ class Worker:
             device=self.device,
             edit=weight_edit(self.config),
         )
-        self._pipeline = loader.load(self._check_pipeline)
+        self._pipeline = loader.load(self._check_before_loading)
         self._backing = loader.decision
         host_weights = loader.take_host_weights()
         policy = self.config.effective().offload_policy
@@ -158,7 +155,11 @@ class Worker:
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
             )
         # After DLO: adapters then live on the device beside the streamed weights.
-        lora.load_adapters(self.pipeline, self.config.model.switchable_lora_adapters)
+        lora.load_adapters(
+            self.pipeline,
+            self.config.model.switchable_lora_adapters,
+            self.config.model.max_lora_rank,
+        )
         if (mode := self.config.effective().compile) is not None:
             # Adapters chosen per request through scale tensors: switching never recompiles.
             lora.selection(self.pipeline).for_compiled_blocks(self.pipeline, self.device)
@@ -171,6 +172,17 @@ class Worker:
                 self.config.model.compile_cache_dir,
             )
             metrics.watch_compilation(self.compiled)
+
+    def _check_before_loading(self, pipeline: DiffusionPipeline) -> None:
+        """What the pipeline's meta skeleton shows before any weight is read (the loaded
+        pipeline where no skeleton can be built): the adapters fit it, then the caller's
+        ``check_pipeline``."""
+        model = self.config.model
+        lora.check_adapters(
+            pipeline, model.fused_lora_adapters, model.switchable_lora_adapters, model.max_lora_rank
+        )
+        if self._check_pipeline is not None:
+            self._check_pipeline(pipeline)
 
     def after_request(self) -> None:
         """Call after each request: checks the device plan against its copy waits, until it

@@ -13,15 +13,20 @@ An adapter that would not do what it says is refused at start, naming the flag's
 and the reason: a missing, truncated or corrupt file, a pipeline without a LoRA loader,
 an adapter none of whose layers the pipeline has (one for another model), and one some
 of whose layers it lacks (diffusers only warns of these "unexpected keys" and would run
-the rest of the adapter).
+the rest of the adapter); one whose matrices do not match the layers they name (diffusers
+would widen the layers to them), in any format diffusers converts; one whose rank, in any
+format, exceeds ``--max-lora-rank``. These are checked on the pipeline's meta skeleton
+before any weight is read, and again before each load.
 
-Modules: :mod:`.files` (what a file says before it loads: existence, rank, bytes,
-digest), :mod:`.loading` (load, unload, fuse), :mod:`.selection` (the adapters and scales
-of the next run), :mod:`.layers` (where adapters are), :mod:`.errors`.
+Modules: :mod:`.files` (what a file says before it loads: existence, bytes, digest),
+:mod:`.fit` (whether an adapter fits the model), :mod:`.loading` (load, unload, fuse),
+:mod:`.selection` (the adapters and scales of the next run), :mod:`.layers` (where
+adapters are), :mod:`.errors`.
 """
 
 from dlo_worker.pipeline.lora.errors import LoraSetupError
-from dlo_worker.pipeline.lora.files import check_files, check_ranks, device_bytes, fusion_identity
+from dlo_worker.pipeline.lora.files import check_files, device_bytes, fusion_identity
+from dlo_worker.pipeline.lora.fit import check_adapters
 from dlo_worker.pipeline.lora.layers import adapted_layers
 from dlo_worker.pipeline.lora.loading import (
     fuse_adapters,
@@ -36,8 +41,8 @@ __all__ = [
     "AdapterSelection",
     "LoraSetupError",
     "adapted_layers",
+    "check_adapters",
     "check_files",
-    "check_ranks",
     "device_bytes",
     "fuse_adapters",
     "fusion",

@@ -1,5 +1,5 @@
-"""What an adapter's file says before anything loads: that it exists, its rank, the device
-bytes it takes, and its content digest (reading headers only)."""
+"""What an adapter's file says before anything loads: that it exists, the device bytes it
+takes, and its content digest (reading headers only)."""
 
 from __future__ import annotations
 
@@ -23,34 +23,6 @@ def check_files(adapters: Sequence[LoraAdapter]) -> None:
                 f"--lora {adapter}: {adapter.path} does not exist; give a LoRA safetensors "
                 "file or a directory holding one"
             )
-
-
-def check_ranks(adapters: Sequence[LoraAdapter], max_rank: int | None) -> None:
-    """Before anything loads: no adapter's rank exceeds ``--max-lora-rank``."""
-    for adapter in adapters:
-        check_rank(adapter, max_rank, f"--lora {adapter}")
-
-
-def check_rank(adapter: LoraAdapter, max_rank: int | None, label: str) -> None:
-    """The adapter's largest rank is at most ``max_rank`` (None: no limit); refusals start
-    with ``label``."""
-    if max_rank is None:
-        return
-    # The rows of its down projections: lora_A in diffusers' and PEFT's names, lora_down
-    # in Kohya's.
-    rank = max(
-        (
-            shape[0]
-            for key, shape in _shapes(adapter, label).items()
-            if ".lora_A." in key or ".lora_down." in key
-        ),
-        default=0,
-    )
-    if rank > max_rank:
-        raise LoraSetupError(
-            f"{label}: its rank is {rank}, above --max-lora-rank {max_rank}; give an adapter "
-            "of a lower rank, or raise the limit"
-        )
 
 
 def device_bytes(adapters: Sequence[LoraAdapter], dtype: torch.dtype) -> int:

@@ -1,10 +1,11 @@
 """Loading, unloading and fusing adapters with diffusers' own loader
 (``load_lora_weights``, which converts Kohya and other community formats).
 
-diffusers reports normal events as warnings while it loads (a component with none of the
-adapter's keys, the other loaded adapters' weights as "missing keys"): they are kept out
-of the worker's log. What it only warns about but is not normal, weights for layers the
-model lacks ("unexpected keys"), refuses the adapter.
+Before the loader touches the model, the adapter is checked against the model's layers
+and the rank limit (:mod:`.fit`). diffusers reports normal events as warnings while it
+loads (a component with none of the adapter's keys, the other loaded adapters' weights as
+"missing keys"): they are kept out of the worker's log. What it only warns about but is
+not normal, weights for layers the model lacks ("unexpected keys"), refuses the adapter.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from dlo_worker.config import LoraAdapter
 from dlo_worker.loader.diffusers_loader import HostWeightEdit
 from dlo_worker.pipeline.lora.errors import LoraSetupError
-from dlo_worker.pipeline.lora.files import check_rank, fusion_identity
+from dlo_worker.pipeline.lora.files import fusion_identity
+from dlo_worker.pipeline.lora.fit import cannot_load, check_fit
 from dlo_worker.pipeline.lora.layers import adapted_layers, adapter_layers, loaded_names
 from dlo_worker.pipeline.lora.selection import select_adapters, selection
 
@@ -101,13 +103,16 @@ def fuse_adapters(
         logger.info("lora adapter fused", extra={"fields": fields})
 
 
-def load_adapters(pipeline: object, adapters: Sequence[LoraAdapter]) -> None:
-    """Load every adapter under its name and make them all active at their scales."""
+def load_adapters(
+    pipeline: object, adapters: Sequence[LoraAdapter], max_rank: int | None = None
+) -> None:
+    """Load every adapter under its name and make them all active at their scales; each
+    within ``max_rank`` (``--max-lora-rank``; None: no limit)."""
     if not adapters:
         return
     loader = _loader(pipeline, "--lora")
     for adapter in adapters:
-        _load_quietly(pipeline, loader, adapter)
+        _load_quietly(pipeline, loader, adapter, max_rank=max_rank)
     select_adapters(pipeline, [(adapter.name, adapter.scale) for adapter in adapters])
 
 
@@ -126,11 +131,10 @@ def load_adapter(
 ) -> None:
     """Load one adapter at run time (not active until a request chooses it); refused
     naming ``label`` (the request's field), with nothing of it left loaded."""
-    check_rank(adapter, max_rank, label)
     loader = _loader(pipeline, label)
     selection(pipeline).forget()
     try:
-        _load_quietly(pipeline, loader, adapter, label)
+        _load_quietly(pipeline, loader, adapter, label, max_rank)
     except LoraSetupError:
         if adapter.name in loaded_names(pipeline):
             pipeline.delete_adapters([adapter.name])  # type: ignore[attr-defined]
@@ -147,7 +151,11 @@ def unload_adapter(pipeline: object, name: str) -> None:
 
 
 def _load_quietly(
-    pipeline: object, loader: Callable[..., object], adapter: LoraAdapter, label: str = ""
+    pipeline: object,
+    loader: Callable[..., object],
+    adapter: LoraAdapter,
+    label: str = "",
+    max_rank: int | None = None,
 ) -> None:
     """:func:`_load`, without the warnings of normal events (:class:`_NormalEvents`, and
     PEFT's that a model holding an adapter gets another)."""
@@ -158,28 +166,29 @@ def _load_quietly(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
-            _load(pipeline, loader, adapter, label or f"--lora {adapter}")
+            _load(pipeline, loader, adapter, label or f"--lora {adapter}", max_rank)
     finally:
         for source in sources:
             source.removeFilter(quiet)
 
 
 def _load(
-    pipeline: object, loader: Callable[..., object], adapter: LoraAdapter, label: str
+    pipeline: object,
+    loader: Callable[..., object],
+    adapter: LoraAdapter,
+    label: str,
+    max_rank: int | None,
 ) -> None:
-    """Load one adapter with ``loader`` (the pipeline's ``load_lora_weights``); refusals
-    start with ``label`` (the flag's value, or the request's field)."""
+    """Check one adapter against the model (:func:`~.fit.check_fit`), then load it with
+    ``loader`` (the pipeline's ``load_lora_weights``); refusals start with ``label`` (the
+    flag's value, or the request's field)."""
     pipeline_name = type(pipeline).__name__
+    check_fit(pipeline, adapter, label, max_rank)
     with _unexpected_keys() as unexpected:
         try:
             loader(str(adapter.path), adapter_name=adapter.name)
         except Exception as error:  # any loader failure is this file's problem
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            raise LoraSetupError(
-                f"{label}: cannot load it ({type(error).__name__}: "
-                f"{first_line[:300]}); give a LoRA safetensors file made for "
-                f"{pipeline_name}"
-            ) from error
+            raise cannot_load(label, pipeline, error) from error
     layers = adapted_layers(pipeline, adapter.name)
     if unexpected:
         raise LoraSetupError(
