@@ -11,16 +11,19 @@ import asyncio
 import http.client
 import json
 import logging
+import os
 import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
 from prometheus_client import REGISTRY
 
+from dlo_worker.engine.request import RequestLimits
 from dlo_worker.engine.waves import RequestQueue
 from dlo_worker.serving.server import (
     GENERATE_PATH,
@@ -441,3 +444,70 @@ def test_a_client_that_leaves_mid_body_is_one_info_line_and_a_metric(
     (line,) = [r for r in caplog.records if "disconnect" in r.getMessage()]
     assert line.levelno == logging.INFO
     assert len(state.queue) == 0
+
+
+@pytest.fixture
+def adapter_routes(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
+    """A leader serving the adapter routes from ``loras/`` (its queue closed: a path that
+    passes every check is answered 503 by the queue, not 400), and a directory outside."""
+    root, outside = tmp_path / "loras", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "pytorch_lora_weights.safetensors").write_bytes(b"outside")
+    state = ServerState(RequestQueue(max_pending=4), model_name="demo", lora_load_dir=root)
+    state.set_limits(RequestLimits(pipeline="FluxPipeline", conditioning="prompt"))
+    server = WorkerHTTPServer("127.0.0.1", 0, state, LIMITS)
+    server.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", root, outside
+    server.stop()
+
+
+def _load(url: str, lora_path: str) -> requests.Response:
+    body = {"lora_name": "x", "lora_path": lora_path}
+    return requests.post(f"{url}/v1/load_lora_adapter", json=body, timeout=5)
+
+
+def test_a_link_inside_an_adapter_directory_cannot_lead_out(
+    adapter_routes: tuple[str, Path, Path],
+) -> None:
+    """Issue 61: only ``lora_path`` itself had its links resolved, so a directory inside
+    whose weights file linked outside loaded the outside file."""
+    url, root, outside = adapter_routes
+    (root / "linked").mkdir()
+    (root / "linked" / "pytorch_lora_weights.safetensors").symlink_to(
+        outside / "pytorch_lora_weights.safetensors"
+    )
+    refused = _load(url, "linked")
+    assert refused.status_code == 400
+    assert refused.json()["error"].startswith("lora_path: linked is outside --lora-load-dir")
+    (root / "inside").mkdir()
+    (root / "inside" / "pytorch_lora_weights.safetensors").write_bytes(b"inside")
+    assert _load(url, "inside").status_code == 503  # every check passed; the queue is closed
+
+
+@pytest.mark.parametrize("case", ["loop", "nul", "long name", "fifo", "two files"])
+def test_unusable_lora_paths_get_400_naming_lora_path(
+    adapter_routes: tuple[str, Path, Path], case: str
+) -> None:
+    """Issue 61: a link loop, a NUL byte and a 300-character name answered 500 with two
+    tracebacks; a FIFO was refused quoting a Hugging Face Hub id error."""
+    url, root, _ = adapter_routes
+    if case == "loop":
+        (root / "a").symlink_to(root / "b")
+        (root / "b").symlink_to(root / "a")
+        lora_path = "a"
+    elif case == "nul":
+        lora_path = "x\0y"
+    elif case == "long name":
+        lora_path = "x" * 300
+    elif case == "fifo":
+        os.mkfifo(root / "fifo")
+        lora_path = "fifo"
+    else:
+        (root / "two").mkdir()
+        for name in ("one", "other"):
+            (root / "two" / f"{name}.safetensors").write_bytes(b"")
+        lora_path = "two"
+    response = _load(url, lora_path)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"].startswith("lora_path")

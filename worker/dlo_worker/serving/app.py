@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from dlo_worker.config import LoraAdapter
 from dlo_worker.config.values import LORA_NAME_PATTERN
 from dlo_worker.engine.request import (
     NO_DEFAULTS,
@@ -50,6 +51,7 @@ from dlo_worker.engine.waves import (
     RequestQueue,
 )
 from dlo_worker.observability import metrics
+from dlo_worker.pipeline import lora
 from dlo_worker.serving.openai import IMAGES_PATH, ImagesRequest, error_body, images_response
 
 logger = logging.getLogger(__name__)
@@ -374,16 +376,40 @@ def _loaded_limits(state: ServerState) -> RequestLimits:
 
 
 def _adapter_path(root: Path, text: str) -> Path:
-    """``lora_path`` inside ``--lora-load-dir`` (relative to it, or absolute), existing;
-    otherwise 400 naming it. Links are resolved first, so none leads outside."""
+    """The safetensors file ``lora_path`` names (relative to ``--lora-load-dir`` or
+    absolute; a directory names the file it holds), with every link resolved, the file's
+    own included, and inside the directory; the load then opens that resolved file, so
+    nothing it reads lies outside. Otherwise 400 naming ``lora_path``."""
     given = Path(text)
-    resolved = (given if given.is_absolute() else root / given).resolve()
+    try:
+        resolved = _inside(root, text, (given if given.is_absolute() else root / given))
+        if resolved.is_dir():
+            held = lora.weights_file(LoraAdapter("lora_path", resolved), "lora_path")
+            resolved = _inside(root, text, held)
+        if not resolved.is_file():
+            raise APIError(
+                400, f"lora_path: {text} is not a regular file; give a LoRA safetensors file"
+            )
+    except FileNotFoundError:
+        raise APIError(400, f"lora_path: {text} does not exist in --lora-load-dir {root}") from None
+    except lora.LoraSetupError as error:
+        raise APIError(400, str(error)) from None
+    except (OSError, ValueError, RuntimeError) as error:
+        # A link loop (RuntimeError), a NUL byte (ValueError), a name too long (OSError).
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        raise APIError(
+            400, f"lora_path: {text[:200]!r} cannot be opened ({reason}); give a file's path"
+        ) from None
+    return resolved
+
+
+def _inside(root: Path, text: str, path: Path) -> Path:
+    """``path`` with every link resolved (it must exist), inside ``root``."""
+    resolved = path.resolve(strict=True)
     if not resolved.is_relative_to(root.resolve()):
         raise APIError(
             400, f"lora_path: {text} is outside --lora-load-dir {root}; give a path inside it"
         )
-    if not resolved.exists():
-        raise APIError(400, f"lora_path: {text} does not exist in --lora-load-dir {root}")
     return resolved
 
 

@@ -25,7 +25,12 @@ adapters are), :mod:`.errors`.
 """
 
 from dlo_worker.pipeline.lora.errors import LoraSetupError
-from dlo_worker.pipeline.lora.files import check_files, device_bytes, fusion_identity
+from dlo_worker.pipeline.lora.files import (
+    check_files,
+    device_bytes,
+    fusion_identity,
+    weights_file,
+)
 from dlo_worker.pipeline.lora.fit import check_adapters
 from dlo_worker.pipeline.lora.layers import adapted_layers
 from dlo_worker.pipeline.lora.loading import (
@@ -52,4 +57,5 @@ __all__ = [
     "select_adapters",
     "selection",
     "unload_adapter",
+    "weights_file",
 ]

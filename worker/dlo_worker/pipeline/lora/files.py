@@ -47,7 +47,7 @@ def fusion_identity(adapters: Sequence[LoraAdapter]) -> tuple[str, ...]:
 
 def _shapes(adapter: LoraAdapter, label: str) -> dict[str, list[int]]:
     """Every tensor's shape in the adapter's file, from its header."""
-    path = weights_file(adapter)
+    path = weights_file(adapter, label)
     try:
         with safe_open(str(path), framework="pt") as weights:
             return {
@@ -61,16 +61,17 @@ def _shapes(adapter: LoraAdapter, label: str) -> dict[str, list[int]]:
         ) from error
 
 
-def weights_file(adapter: LoraAdapter) -> Path:
+def weights_file(adapter: LoraAdapter, label: str | None = None) -> Path:
     """The adapter's safetensors file: the path itself, or the one its directory holds
-    (diffusers' ``pytorch_lora_weights.safetensors`` first)."""
+    (diffusers' ``pytorch_lora_weights.safetensors`` first); refusals start with ``label``
+    (``--lora NAME=PATH`` by default)."""
     if adapter.path.is_file():
         return adapter.path
     default = adapter.path / "pytorch_lora_weights.safetensors"
     candidates = [default] if default.is_file() else sorted(adapter.path.glob("*.safetensors"))
     if len(candidates) != 1:
         raise LoraSetupError(
-            f"--lora {adapter}: {adapter.path} holds {len(candidates)} safetensors files; "
-            "give the adapter's file itself"
+            f"{label or f'--lora {adapter}'}: {adapter.path} holds {len(candidates)} "
+            "safetensors files; give the adapter's file itself"
         )
     return candidates[0]

@@ -52,7 +52,7 @@ def converted_weights(
             f"{label}: {type(pipeline).__name__} has no LoRA loader in diffusers; drop it"
         )
     try:
-        converted = convert(str(weights_file(adapter)))
+        converted = convert(str(weights_file(adapter, label)))
     except LoraSetupError:
         raise
     except Exception as error:  # any conversion failure is this file's problem
