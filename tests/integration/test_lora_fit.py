@@ -1,8 +1,9 @@
 """An adapter is checked against the model's layers before anything of the model changes
 (``dlo_worker.pipeline.lora.fit``): one made for wider layers is refused and leaves the
 Flux demo bitwise as it was (diffusers would widen its linears to the adapter's shapes for
-good), and an adapter's rank is counted in every format diffusers converts (XLabs' keys
-here), on the load route's function and at start (issue 61, points 1 and 3)."""
+good), one holding NaN is refused naming a tensor, and an adapter's rank is counted in
+every format diffusers converts (XLabs' keys here), on the load route's function and at
+start (issue 61, points 1, 3 and 5)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def pipeline(flux_model_dir: Path) -> FluxPipeline:
 @pytest.fixture(scope="module")
 def adapters(pipeline: FluxPipeline, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``wider``: the demo's adapter with 8 more input columns in every ``lora_A`` (another
-    model's shapes); ``xlabs``: a rank-64 adapter in XLabs' keys that fits the demo."""
+    model's shapes); ``xlabs``: a rank-64 adapter in XLabs' keys that fits the demo;
+    ``nan``: the demo's adapter, every value NaN."""
     root = tmp_path_factory.mktemp("fit")
     written = write_flux_lora(pipeline.transformer, root / "demo", seed=5)
     weights = load_file(written / "pytorch_lora_weights.safetensors")
@@ -54,7 +56,11 @@ def adapters(pipeline: FluxPipeline, tmp_path_factory: pytest.TempPathFactory) -
         ),
     }
     save_file(xlabs, root / "xlabs.safetensors")
-    return {"wider": root / "wider.safetensors", "xlabs": root / "xlabs.safetensors"}
+    save_file(
+        {key: torch.full_like(value, torch.nan) for key, value in weights.items()},
+        root / "nan.safetensors",
+    )
+    return {name: root / f"{name}.safetensors" for name in ("wider", "xlabs", "nan")}
 
 
 def _weights(pipeline: FluxPipeline) -> dict[str, torch.Tensor]:
@@ -97,9 +103,26 @@ def test_the_rank_of_an_xlabs_adapter_is_counted(
         lora.unload_adapter(pipeline, "xlabs")
 
 
+def test_a_non_finite_adapter_is_refused_naming_a_tensor(
+    pipeline: FluxPipeline, adapters: dict[str, Path]
+) -> None:
+    """Issue 61: an all-NaN adapter loaded (200), then every request naming it answered
+    500 ``NonFiniteOutputError``."""
+    adapter = LoraAdapter("nan", adapters["nan"])
+    with pytest.raises(lora.LoraSetupError, match=r"^lora_path \S+: its transformer\.\S+ holds"):
+        lora.load_adapter(pipeline, adapter, f"lora_path {adapter.path}")
+    assert not lora.adapted_layers(pipeline, "nan")
+
+
 REFUSED_AT_START = {
     "wider": ("wider", (), "inputs; give an adapter made for this model"),
     "wider fused": ("wider", ("--fuse-lora", "x"), "inputs; give an adapter made for this model"),
+    "nan": ("nan", (), "values that are NaN or infinite; give an adapter with finite weights"),
+    "nan fused": (
+        "nan",
+        ("--fuse-lora", "x"),
+        "values that are NaN or infinite; give an adapter with finite weights",
+    ),
     "xlabs rank": (
         "xlabs",
         ("--max-lora-rank", "4"),

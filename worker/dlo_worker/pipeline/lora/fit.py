@@ -3,11 +3,12 @@
 diffusers converts every format it knows (Kohya, XLabs, ai-toolkit, BFL's and others) into
 its own names with ``lora_state_dict``, a class method that touches no model. Each of the
 converted down (``lora_A``) and up (``lora_B``) matrices must then name a layer of the
-pipeline and match its input and output features, and its rank (the rows of ``lora_A``)
-must be within ``--max-lora-rank``. Left to ``load_lora_weights``, an adapter made for
-wider layers makes diffusers widen a Flux transformer's linears to its shapes (what it
-does for Flux Control adapters), for good: every later image fails, with or without
-adapters. Checked here, such an adapter is refused and the model stays bitwise as it was.
+pipeline and match its input and output features, and hold no NaN or infinity; its rank
+(the rows of ``lora_A``) must be within ``--max-lora-rank``. Left to
+``load_lora_weights``, an adapter made for wider layers makes diffusers widen a Flux
+transformer's linears to its shapes (what it does for Flux Control adapters), for good:
+every later image fails, with or without adapters. Checked here, such an adapter is
+refused and the model stays bitwise as it was.
 
 The check reads the layers' declared features only, so it also runs on the pipeline's
 meta skeleton before any weight is read.
@@ -66,9 +67,11 @@ def check_fit(
     pipeline: object, adapter: LoraAdapter, label: str, max_rank: int | None = None
 ) -> None:
     """Refuse, naming ``label``, an adapter whose matrices name no layer of the pipeline,
-    do not match their layer's features, or exceed ``max_rank`` (None: no limit)."""
+    do not match their layer's features, hold NaN or infinity, or exceed ``max_rank``
+    (None: no limit)."""
     weights = converted_weights(pipeline, adapter, label)
     check_layers(pipeline, weights, label)
+    check_finite(weights, label)
     if max_rank is not None:
         rank = rank_of(weights)
         if rank > max_rank:
@@ -76,6 +79,19 @@ def check_fit(
                 f"{label}: its rank is {rank}, above --max-lora-rank {max_rank}; give an "
                 "adapter of a lower rank, or raise the limit"
             )
+
+
+def check_finite(weights: Mapping[str, torch.Tensor], label: str) -> None:
+    """No NaN or infinity in the adapter: it would make every image it applies to
+    non-finite (the worker's rule for weights: refused before ready, naming the tensor)."""
+    for key, tensor in weights.items():
+        if tensor.is_floating_point():
+            bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+            if bad:
+                raise LoraSetupError(
+                    f"{label}: its {key} holds {bad} of {tensor.numel()} values that are "
+                    "NaN or infinite; give an adapter with finite weights"
+                )
 
 
 def rank_of(weights: Mapping[str, torch.Tensor]) -> int:
