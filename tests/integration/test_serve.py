@@ -270,6 +270,50 @@ def test_a_stop_that_torchrun_loses_track_of_still_stops_every_rank(
     assert "Traceback" not in output
 
 
+def _children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").glob("*")
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def _alive(pid: int) -> bool:
+    """Running (not exited, nor a zombie its new parent has yet to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_stop_when_their_launcher_is_killed(demo_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 61: after ``kill -9`` of ``dlo-worker launch`` both DP ranks kept serving the
+    port, and the launcher's ``dlo-exit-*`` directory stayed. Killed while its ranks start,
+    the earliest moment: each rank still stops and the directory is removed."""
+    flags = ("--data-parallel-size", "2")
+    log = tmp_path / "launch.log"
+    with log.open("w") as sink:  # a file, not a pipe: leftover ranks would hold a pipe open
+        launcher = subprocess.Popen(
+            launch_command(serve_command(demo_model_dir, free_port(), *flags)),
+            env=ENV,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    wait_for_ranks(launcher.pid)
+    ranks = _children(launcher.pid)
+    environment = Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"\0")
+    (exit_dir,) = [item.split(b"=", 1)[1] for item in environment if item.startswith(b"DLO_EXIT")]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while (running := [pid for pid in ranks if _alive(pid)]) and (time.monotonic() < deadline):
+        time.sleep(0.2)
+    for pid in running:  # leave no process behind when the assertion fails
+        os.kill(pid, signal.SIGKILL)
+    assert not running, f"ranks {running} outlived their launcher:\n{log.read_text()}"
+    assert not Path(exit_dir.decode()).exists()
+
+
 def test_a_drained_engine_exits_0_and_a_stop_while_loading_names_the_ranks(
     demo_model_dir: Path,
 ) -> None:

@@ -14,30 +14,66 @@ torchrun can lose track of its ranks: a SIGTERM that lands while it is still sta
 the ranks would run on after the launcher exited, still holding the port and the Pod's
 logs. So ``launch`` stops every child still running when torchrun returns, as torchrun
 would have (SIGTERM, then SIGKILL after the same grace), before it reads their exits.
+
+A launcher that is killed outright (SIGKILL, the OOM killer) stops nothing. Each rank
+watches it (:func:`watch_launcher`): once its launcher is gone, the rank removes the
+launcher's exit directory (nobody is left to read it) and stops itself as the launcher
+would have, SIGTERM (the drain) and, after the same grace, SIGKILL. In a Pod the
+container's end stops the ranks anyway; on a host they would hold the port and the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from dlo_worker.process.termination import write_termination_message
 
 EXIT_DIR_ENV = "DLO_EXIT_DIR"
+LAUNCHER_PID_ENV = "DLO_LAUNCHER_PID"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 STOP_GRACE_SECONDS = 30
 """How long a rank may drain after SIGTERM before SIGKILL: torchrun's own grace."""
 
 
 def record_exit(status: int) -> None:
-    """Under ``launch``: record this rank's exit status for the launcher (no-op elsewhere)."""
+    """Under ``launch``: record this rank's exit status for the launcher (no-op elsewhere,
+    and once the launcher is gone with its directory)."""
     directory = os.environ.get(EXIT_DIR_ENV)
-    if directory:
+    if directory and Path(directory).is_dir():
         rank = os.environ.get(LOCAL_RANK_ENV, "0")
         (Path(directory) / rank).write_text(f"{status}\n")
+
+
+def watch_launcher(poll_seconds: float = 1.0, grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Under ``launch`` (no-op elsewhere): stop this rank once its launcher is gone (see
+    the module docstring). A daemon thread polls the parent's pid, which changes when the
+    parent dies and the rank is handed to another reaper."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(poll_seconds)
+        print(
+            f"dlo-worker: warning: launcher {launcher} is gone; stopping this rank",
+            file=sys.stderr,
+            flush=True,
+        )
+        shutil.rmtree(os.environ.get(EXIT_DIR_ENV, ""), ignore_errors=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dlo-launcher-watch", daemon=True).start()
 
 
 def unfinished_ranks(directory: Path, local_ranks: int) -> list[str]:
@@ -93,6 +129,7 @@ def launch(torchrun_arguments: list[str]) -> int:
     local_ranks = determine_local_world_size(parse_args(torchrun_arguments).nproc_per_node)
     with tempfile.TemporaryDirectory(prefix="dlo-exit-") as directory:
         os.environ[EXIT_DIR_ENV] = directory
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
         try:
             try:
                 main(torchrun_arguments)

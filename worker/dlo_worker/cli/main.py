@@ -371,6 +371,9 @@ def _check_lora_loading(directory: Path, api_key: str | None, config: WorkerConf
 
 
 def _command_serve(args: argparse.Namespace) -> int:
+    from dlo_worker.cli.launch import record_exit, watch_launcher
+
+    watch_launcher()  # under `launch`: a rank whose launcher was killed stops itself
     config = _executable_config(args)
 
     from dlo_worker.cli.serve import ServeOptions, serve
@@ -390,8 +393,6 @@ def _command_serve(args: argparse.Namespace) -> int:
         lora_load_dir=lora_load_dir,
     )
     serve(config, options)
-    from dlo_worker.cli.launch import record_exit
-
     record_exit(0)  # the drain finished: under `launch`, the Pod ends Succeeded
     return 0
 
