@@ -498,6 +498,10 @@ def test_a_link_inside_an_adapter_directory_cannot_lead_out(
     refused = _load(url, "linked")
     assert refused.status_code == 400
     assert refused.json()["error"].startswith("lora_path: linked is outside --lora-load-dir")
+    # Outside is outside whether it exists or not: nothing is told of the files there.
+    for probe in ("../outside", "../nowhere", str(outside / "nowhere")):
+        answer = _load(url, probe).json()["error"]
+        assert answer.startswith(f"lora_path: {probe} is outside --lora-load-dir"), answer
     (root / "inside").mkdir()
     (root / "inside" / "pytorch_lora_weights.safetensors").write_bytes(b"inside")
     assert _load(url, "inside").status_code == 503  # every check passed; the queue is closed

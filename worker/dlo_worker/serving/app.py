@@ -404,12 +404,16 @@ def _adapter_path(root: Path, text: str) -> Path:
 
 
 def _inside(root: Path, text: str, path: Path) -> Path:
-    """``path`` with every link resolved (it must exist), inside ``root``."""
-    resolved = path.resolve(strict=True)
+    """``path`` with every link resolved, inside ``root``, existing. A path outside is
+    refused as outside whether it exists or not: the answer tells nothing of the files
+    outside the directory."""
+    resolved = path.resolve()
     if not resolved.is_relative_to(root.resolve()):
         raise APIError(
             400, f"lora_path: {text} is outside --lora-load-dir {root}; give a path inside it"
         )
+    if not resolved.exists():
+        raise FileNotFoundError(resolved)
     return resolved
 
 
