@@ -175,6 +175,7 @@ def test_compile_metrics_read_what_compile_blocks_recorded(
         == compiled.first_forward_seconds
     )
     assert REGISTRY.get_sample_value("dlo_compile_recompiles") == 0
+    assert REGISTRY.get_sample_value("dlo_compile_eager_fallbacks") == 0 == compiled.eager_fallbacks
     lookups = sum(
         REGISTRY.get_sample_value("dlo_compile_cache_lookups", {"result": result}) or 0
         for result in ("hit", "miss")

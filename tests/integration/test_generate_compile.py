@@ -4,14 +4,21 @@ DiT and Flux demos; combinations that cannot run are refused before torch loads.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_generate_dlo import run_single, torchrun
-from tests.support.generate import digest, refused_generate, run_generate_process
+from tests.support.generate import (
+    digest,
+    generate_argv,
+    refused_generate,
+    run_generate_process,
+)
 from tests.support.launch import rank_logs
+from tests.support.runtime_cache import in_private_mount
 
 DLO = ("--enable-distributed-layerwise-offload",)
 RANK_LOCAL = (*DLO, "--dlo-no-use-allgather")
@@ -28,7 +35,8 @@ def resident_compiled(
     models: dict[str, tuple[Path, tuple[str, ...]]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[tuple[str, int], str]:
     """Digests of the resident model compiled with --compile: the DiT demo at seeds 11 and
-    12 (the two DP ranks' seeds), the Flux demo at 11."""
+    12 (the two DP ranks' seeds), the Flux demo at 11; and the DiT demo's eager image at 11
+    (``dit-eager``)."""
     out = tmp_path_factory.mktemp("resident-compiled")
     images = {}
     for name, seed in (("dit", 11), ("dit", 12), ("flux", 11)):
@@ -40,7 +48,8 @@ def resident_compiled(
     eager = out / "dit-eager.png"
     run_single(models["dit"][0], eager, 11)
     # Inductor's kernels round differently from eager ones: the option took effect.
-    assert digest(eager) != images[("dit", 11)]
+    images[("dit-eager", 11)] = digest(eager)
+    assert images[("dit-eager", 11)] != images[("dit", 11)]
     return images
 
 
@@ -137,3 +146,24 @@ def test_a_restarted_worker_loads_its_graphs_from_the_compile_cache_dir(
     assert lookups["cold"][1] > 0
     assert lookups["warm"] == (lookups["cold"][1], 0)
     assert (cache / "fxgraph").is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_compile_cache_runs_each_graph_eagerly_after_one_warning(
+    demo_model_dir: Path, resident_compiled: dict[tuple[str, int], str], tmp_path: Path
+) -> None:
+    """--compile-cache-dir on a 64 KiB tmpfs: inductor cannot write the graph it must
+    import, so the block graph falls back to the eager path, with one warning, for the
+    streamed blocks (DLO compiles their forward) and the one kept resident (its compiled
+    call) alike: the image is the eager one."""
+    cache, out = tmp_path / "graphs", tmp_path / "full.png"
+    flags = ("--compile", "--compile-cache-dir", str(cache), *RANK_LOCAL)
+    argv = generate_argv(demo_model_dir, out, 11, *flags, "--dlo-resident-layers", "1")
+    result = in_private_mount(cache, "size=64k", argv)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "resident_blocks=1" in result.stderr
+    assert result.stderr.count('msg="compile cache full') == 1, result.stderr
+    assert f"cache_dir={cache}" in result.stderr
+    assert re.search(r'msg="compile stats" .*eager_fallbacks=1', result.stderr), result.stderr
+    assert digest(out) == resident_compiled[("dit-eager", 11)]

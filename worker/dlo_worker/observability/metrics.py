@@ -153,6 +153,12 @@ COMPILE_CACHE_LOOKUPS = Gauge(
     ["result"],
 )
 
+COMPILE_EAGER_FALLBACKS = Gauge(
+    "dlo_compile_eager_fallbacks",
+    "Block graphs running eagerly because the compile cache's file system was full when "
+    "they compiled.",
+)
+
 
 class Compilation(Protocol):
     """What the compile gauges read (``pipeline.compilation.CompiledBlocks``)."""
@@ -167,6 +173,8 @@ class Compilation(Protocol):
     def cache_hits(self) -> int: ...
     @property
     def cache_misses(self) -> int: ...
+    @property
+    def eager_fallbacks(self) -> int: ...
 
 
 def watch_staging_ring(read: Callable[[], dict[str, float]]) -> None:
@@ -196,3 +204,4 @@ def watch_compilation(compiled: Compilation) -> None:
     COMPILE_RECOMPILES.set_function(lambda: compiled.recompiles)
     COMPILE_CACHE_LOOKUPS.labels(result="hit").set_function(lambda: compiled.cache_hits)
     COMPILE_CACHE_LOOKUPS.labels(result="miss").set_function(lambda: compiled.cache_misses)
+    COMPILE_EAGER_FALLBACKS.set_function(lambda: compiled.eager_fallbacks)

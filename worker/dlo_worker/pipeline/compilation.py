@@ -37,20 +37,32 @@ earlier processes (its local profile beside the cache) is turned off for that re
 Compiled graphs go to inductor's cache (``--compile-cache-dir``; the operator puts it on
 the node): a restarted worker that finds them there still traces each block class with
 Dynamo, but loads the compiled kernels instead of generating and building them.
+
+Inductor cannot run a graph it could not write there: it imports the generated code from
+the cache. A cache whose file system is full therefore fails the compile, at the first
+request of a size, not at start (compiling is lazy, and a new size compiles again while
+serving). Such a graph falls back to the eager path for good (:class:`EagerFallback`): one
+warning naming the directory, ``dlo_compile_eager_fallbacks`` counts the graphs, the
+request is served, and the graphs already compiled keep running compiled. Failing instead
+would answer every request with an error until someone freed space; failing at start
+could not catch a cache that fills up later. Any other compile failure still raises.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch._dynamo.utils
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
 from dlo_worker.config import CompileMode
 from dlo_worker.errors import UserFixableError
@@ -82,6 +94,13 @@ class CompiledBlocks:
     """Wall time of each DiT's first forward after its blocks were compiled, summed: the
     compile (or the cache load) of every block graph plus one forward."""
     _counter: RecompileCounter = field(default_factory=lambda: RecompileCounter(0))
+    eager_graphs: set[str] = field(default_factory=set)
+    """Block classes whose graph runs eagerly because the cache's file system was full."""
+
+    @property
+    def eager_fallbacks(self) -> int:
+        """Block graphs that fell back to the eager path because the cache was full."""
+        return len(self.eager_graphs)
 
     @property
     def recompiles(self) -> int:
@@ -106,6 +125,7 @@ class CompiledBlocks:
             "recompiles": self.recompiles,
             "cache_hits": self.cache_hits,
             "cache_misses": self.cache_misses,
+            "eager_fallbacks": self.eager_fallbacks,
             "cache_dir": str(self.cache_dir) if self.cache_dir is not None else None,
         }
 
@@ -165,6 +185,7 @@ def compile_blocks(
         streamed = any(routed_to_forward(block) for _name, block in dit.blocks)
         for _name, block in dit.blocks:
             block.compile(fullgraph=True, mode=mode.torch_mode)
+            EagerFallback(compiled, block).install()
             compiled.blocks += 1
         mark_steps = mode == CompileMode.REDUCE_OVERHEAD and not streamed
         _watch_first_forward(compiled, dit.module, device, mark_steps=mark_steps)
@@ -203,3 +224,78 @@ def _watch_first_forward(
 
     dit.register_forward_pre_hook(forward_starts)
     handle = dit.register_forward_hook(first_forward_ends)
+
+
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def out_of_space(error: BaseException) -> OSError | None:
+    """The "no space left" (or quota) error behind a failed compile: inductor wraps what
+    failed (``inner_exception``), other layers chain it."""
+    pending: list[BaseException] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in NO_SPACE:
+            return current
+        for cause in (getattr(current, "inner_exception", None), current.__cause__):
+            if isinstance(cause, BaseException):
+                pending.append(cause)
+        if current.__context__ is not None:
+            pending.append(current.__context__)
+    return None
+
+
+class EagerFallback:
+    """Runs ``block`` eagerly once its class's graph could not be compiled because the
+    compile cache's file system is full (see the module docstring): the compiled call
+    is wrapped where ``block.compile`` installed it, the instance ``forward`` DLO routes a
+    streamed block's compile to, or the module's compiled call otherwise."""
+
+    def __init__(self, compiled: CompiledBlocks, block: nn.Module) -> None:
+        self._compiled = compiled
+        self._block = block
+        self._graph = type(block).__qualname__
+
+    def install(self) -> None:
+        block = self._block
+        if routed_to_forward(block):
+            eager_forward = type(block).forward.__get__(block)
+            guarded = self._guarded(vars(block)["forward"], eager_forward)
+            object.__setattr__(block, "forward", guarded)
+        elif (compiled_call := block._compiled_call_impl) is not None:
+            block._compiled_call_impl = self._guarded(compiled_call, block._call_impl)
+
+    def _guarded(
+        self, compiled_call: Callable[..., Any], eager_call: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._graph in self._compiled.eager_graphs:
+                return eager_call(*args, **kwargs)
+            try:
+                return compiled_call(*args, **kwargs)
+            except Exception as error:
+                full = out_of_space(error)
+                if full is None:
+                    raise
+                self._fall_back(full)
+            return eager_call(*args, **kwargs)
+
+        return call
+
+    def _fall_back(self, full: OSError) -> None:
+        self._compiled.eager_graphs.add(self._graph)
+        logger.warning(
+            "compile cache full: this block graph runs eagerly; free space in the cache "
+            "directory and restart the worker to compile it",
+            extra={
+                "fields": {
+                    "graph": self._graph,
+                    "cache_dir": inductor_cache_dir(),
+                    "error": full.strerror,
+                }
+            },
+        )
