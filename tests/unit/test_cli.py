@@ -377,6 +377,8 @@ def test_lora_adapters_parse_from_the_flag(capsys) -> None:
     [
         ("a", "--lora expects NAME=PATH[:SCALE], got 'a'"),
         ("a b=/p", "the name must be 1-64 letters"),
+        # diffusers keeps an adapter's layers under module names that a '.' would split.
+        ("a.b=/p", "the name must be 1-64 letters, digits, '_' or '-'"),
         ("a=", "--lora expects NAME=PATH[:SCALE]"),
         ("a=:0.5", "give the adapter's file or directory after '='"),
         ("a=/p:inf", "the scale must be a number from -10 to 10"),

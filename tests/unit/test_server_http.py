@@ -20,6 +20,7 @@ import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 from prometheus_client import REGISTRY
@@ -365,6 +366,33 @@ def test_models_lists_the_served_model(leader: tuple[str, ServerState]) -> None:
     assert [model["id"] for model in models["data"]] == ["demo"]
 
 
+def test_the_openai_client_reads_every_answer_of_the_openai_routes(
+    leader: tuple[str, ServerState],
+) -> None:
+    """Issue 61: ``GET /v1/models/{id}`` and the image routes this worker does not serve
+    (edits, variations) answered bodies the OpenAI client could not read."""
+    url, _ = leader
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.retrieve("demo")
+    assert (model.id, model.object, model.owned_by) == ("demo", "model", "dlo-worker")
+    assert model.created == client.models.list().data[0].created > 0
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("dall-e-3")
+    assert missing.value.param == "model"
+    assert "this worker serves 'demo', not 'dall-e-3'" in missing.value.message
+    unserved = {
+        "/v1/images/edits": lambda: client.images.edit(image=b"png", prompt="a cat"),
+        "/v1/images/variations": lambda: client.images.create_variation(image=b"png"),
+        "/v1/chat/completions": lambda: client.chat.completions.create(model="demo", messages=[]),
+    }
+    for path, call in unserved.items():
+        with pytest.raises(openai.NotFoundError) as refused:
+            call()
+        assert refused.value.type == "not_found_error", path
+        assert isinstance(refused.value.body, dict), path
+        assert refused.value.body["message"] == f"no route {path}"
+
+
 def test_the_api_key_guards_the_v1_routes_and_leaves_health_and_metrics_open() -> None:
     state = ServerState(RequestQueue(max_pending=4), api_key="s3cret", model_name="demo")
     server = WorkerHTTPServer("127.0.0.1", 0, state, LIMITS)
@@ -478,6 +506,37 @@ def adapter_routes(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
     server.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", root, outside
     server.stop()
+
+
+def test_a_fused_adapters_name_is_refused_as_fused_not_as_loaded(tmp_path: Path) -> None:
+    """Issue 61: loading under a fused adapter's name said "unload it first", which the
+    unload route refuses for a fused adapter."""
+    state = ServerState(RequestQueue(max_pending=4), model_name="demo", lora_load_dir=tmp_path)
+    state.set_limits(
+        RequestLimits(pipeline="FluxPipeline", conditioning="prompt", fused_adapters=("f",))
+    )
+    server = WorkerHTTPServer("127.0.0.1", 0, state, LIMITS)
+    server.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        body = {"lora_name": "f", "lora_path": "f.safetensors"}
+        load = requests.post(f"{url}/v1/load_lora_adapter", json=body, timeout=5)
+        unload = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "f"}, timeout=5)
+        dotted = requests.post(
+            f"{url}/v1/load_lora_adapter",
+            json={"lora_name": "a.b", "lora_path": "f.safetensors"},
+            timeout=5,
+        )
+    finally:
+        server.stop()
+    assert load.status_code == 409
+    assert load.json()["error"] == (
+        "lora_name: f is fused into the weights (--fuse-lora); choose another name"
+    )
+    assert unload.status_code == 400
+    assert "fused into the weights" in unload.json()["error"]
+    assert dotted.status_code == 422
+    assert dotted.json()["error"].startswith("lora_name: String should match pattern")
 
 
 def _load(url: str, lora_path: str) -> requests.Response:

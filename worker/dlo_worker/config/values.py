@@ -118,8 +118,9 @@ class Options(BaseModel):
 
 MAX_LORA_SCALE = 10.0
 """The largest magnitude of a LoRA adapter's scale (diffusers' own examples stay within 2)."""
-LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-"""What an adapter's name may be (``--lora NAME=...``, a request's ``loras[].name``)."""
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"
+"""What an adapter's name may be (``--lora NAME=...``, a request's ``loras[].name``): no
+``.``, since diffusers keeps an adapter's layers under module names a ``.`` would split."""
 _LORA_NAME = re.compile(LORA_NAME_PATTERN)
 
 
@@ -143,7 +144,7 @@ def parse_lora(text: str) -> LoraAdapter:
         raise ValueError(f"--lora expects NAME=PATH[:SCALE], got {text!r}")
     if not _LORA_NAME.match(name):
         raise ValueError(
-            f"--lora {text!r}: the name must be 1-64 letters, digits, '_', '.' or '-', "
+            f"--lora {text!r}: the name must be 1-64 letters, digits, '_' or '-', "
             "starting with a letter or digit"
         )
     path, colon, scale_text = rest.rpartition(":")

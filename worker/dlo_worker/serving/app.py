@@ -6,9 +6,10 @@ requests. Handlers never block the event loop: a request goes into the engine's 
 and the handler awaits its future while watching for the client to leave, so a request
 whose client went away before its wave started is dropped instead of run.
 
-Errors are one-line JSON bodies naming the field, ``{"error": "..."}`` on the raw route
-and OpenAI's ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/images``
-and ``/v1/models``; never tracebacks.
+Errors are one-line JSON bodies naming the field, ``{"error": "..."}`` on the worker's
+own routes (:data:`NATIVE_PATHS`) and OpenAI's ``{"error": {"message", "type", "param",
+"code"}}`` on every other ``/v1/`` path, those it does not serve included, so an OpenAI
+client reads each answer; never tracebacks.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ MODELS_PATH = "/v1/models"
 LORAS_PATH = "/v1/loras"
 LOAD_LORA_PATH = "/v1/load_lora_adapter"
 UNLOAD_LORA_PATH = "/v1/unload_lora_adapter"
+NATIVE_PATHS = frozenset({GENERATE_PATH, LORAS_PATH, LOAD_LORA_PATH, UNLOAD_LORA_PATH})
+"""The worker's own ``/v1/`` routes (vLLM's names for the adapter routes): plain errors."""
 RETRY_AFTER_S = 5
 
 
@@ -191,7 +194,8 @@ def describe_body_error(error: ValidationError) -> str:
 
 
 def _error_response(request: Request, status: int, message: str, headers: dict) -> Response:
-    openai_shaped = request.url.path.startswith((IMAGES_PATH, MODELS_PATH))
+    path = request.url.path
+    openai_shaped = path.startswith("/v1/") and path not in NATIVE_PATHS
     body = error_body(status, message) if openai_shaped else {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -239,13 +243,7 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get(MODELS_PATH)
-    async def models(request: Request) -> dict:
-        _authorize(request, state)
-        return {
-            "object": "list",
-            "data": [{"id": state.model_name, "object": "model", "owned_by": "dlo-worker"}],
-        }
+    _add_model_routes(app, state)
 
     @app.get(LORAS_PATH)
     async def loras(request: Request) -> dict:
@@ -300,6 +298,31 @@ def build_app(state: ServerState, limits: HTTPLimits) -> FastAPI:
     return app
 
 
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    """OpenAI's ``GET /v1/models`` and ``GET /v1/models/{id}``: the one model served."""
+    started = int(time.time())  # the served model's ``created``: when serving began
+
+    def served_model() -> dict:
+        return {
+            "id": state.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "dlo-worker",
+        }
+
+    @app.get(MODELS_PATH)
+    async def models(request: Request) -> dict:
+        _authorize(request, state)
+        return {"object": "list", "data": [served_model()]}
+
+    @app.get(MODELS_PATH + "/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        _authorize(request, state)
+        if model_id != state.model_name:
+            raise APIError(404, f"model: this worker serves {state.model_name!r}, not {model_id!r}")
+        return served_model()
+
+
 class LoadLoraRequest(BaseModel):
     """``POST /v1/load_lora_adapter`` (vLLM's body)."""
 
@@ -332,7 +355,13 @@ def _add_adapter_routes(app: FastAPI, state: ServerState, limits: HTTPLimits, ro
         body = _parse(await _read_body(request, limits), LoadLoraRequest)
         async with changing:
             current = _loaded_limits(state)
-            if body.lora_name in (*current.adapters, *current.fused_adapters):
+            if body.lora_name in current.fused_adapters:
+                raise APIError(
+                    409,
+                    f"lora_name: {body.lora_name} is fused into the weights (--fuse-lora); "
+                    "choose another name",
+                )
+            if body.lora_name in current.adapters:
                 raise APIError(
                     409,
                     f"lora_name: {body.lora_name} is already loaded; unload it first, or "
