@@ -6,6 +6,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +254,36 @@ def test_invalid_combination_fails_before_torch_is_imported(tmp_path) -> None:
     )
     assert result.returncode == 2, result.stderr
     assert "--dlo-resident-layers requires --dlo-no-use-allgather" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--default-steps", "1001"], "--default-steps: Input should be less than or equal"),
+        (["--default-width", "9000"], "--default-width: Input should be less than or equal"),
+        (["--api-key", ""], "--api-key (or $DLO_API_KEY) is empty"),
+    ],
+)
+def test_serve_flags_that_need_no_model_fail_before_torch_is_imported(
+    flags: list[str], message: str, demo_model_dir: Path
+) -> None:
+    """Issue 61: these were refused only after the model directory was checked (torch and
+    diffusers imported, seconds)."""
+    probe = (
+        "import sys\n"
+        "from dlo_worker.cli.main import main\n"
+        "code = main(['serve', '--model', sys.argv[1], '--device', 'cpu', *sys.argv[2:]])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported before validation'\n"
+        "sys.exit(code)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(demo_model_dir), *flags],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
 
 
 def test_console_script_reports_version() -> None:

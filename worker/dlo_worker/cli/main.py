@@ -374,22 +374,27 @@ def _command_serve(args: argparse.Namespace) -> int:
     from dlo_worker.cli.launch import record_exit, watch_launcher
 
     watch_launcher()  # under `launch`: a rank whose launcher was killed stops itself
+    # The serving flags first: refusing one needs neither torch nor the model directory.
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        raise UsageError(f"--api-key (or ${API_KEY_ENV}) is empty; set a key or leave it unset")
+    default_fields = _default_request_fields(args)
     config = _executable_config(args)
 
     from dlo_worker.cli.serve import ServeOptions, serve
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if api_key is not None and not api_key.strip():
-        raise UsageError(f"--api-key (or ${API_KEY_ENV}) is empty; set a key or leave it unset")
     lora_load_dir: Path | None = args.lora_load_dir
     if lora_load_dir is not None:
         _check_lora_loading(lora_load_dir, api_key, config)
+    loras = adapter_defaults(config)
+    if loras is None and lora_load_dir is not None:
+        loras = ()  # requests naming none run none, whatever is loaded later
     options = ServeOptions(
         host=args.host,
         port=args.port,
         max_queued_requests=args.max_queued_requests,
         api_key=api_key.strip() if api_key else None,
-        defaults=_request_defaults(args, config, runtime_adapters=lora_load_dir is not None),
+        defaults=RequestDefaults(**default_fields, loras=loras),
         lora_load_dir=lora_load_dir,
     )
     serve(config, options)
@@ -397,13 +402,10 @@ def _command_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _request_defaults(
-    args: argparse.Namespace, config: WorkerConfig, *, runtime_adapters: bool = False
-) -> RequestDefaults:
-    """``--default-*`` as request defaults, held to the request schema's bounds, and the
-    ``--lora`` adapters as the adapters of a request that names none (none of those loaded
-    while serving, with ``runtime_adapters``)."""
-    given = {
+def _default_request_fields(args: argparse.Namespace) -> dict[str, int]:
+    """``--default-steps/width/height``, held to the request schema's bounds; the ``--lora``
+    adapters join them as a request's default adapters once the configuration is read."""
+    given: dict[str, int] = {
         field: getattr(args, f"default_{field}")
         for field in ("steps", "width", "height")
         if getattr(args, f"default_{field}") is not None
@@ -415,10 +417,7 @@ def _request_defaults(
             f"--default-{problem['loc'][0]}: {problem['msg']}" for problem in error.errors()
         ]
         raise UsageError("; ".join(problems)) from None
-    loras = adapter_defaults(config)
-    if loras is None and runtime_adapters:
-        loras = ()  # requests naming none run none, whatever is loaded later
-    return RequestDefaults(**given, loras=loras)
+    return given
 
 
 def _command_launch(args: argparse.Namespace) -> int:
