@@ -314,6 +314,48 @@ def test_ranks_stop_when_their_launcher_is_killed(demo_model_dir: Path, tmp_path
     assert not Path(exit_dir.decode()).exists()
 
 
+def test_a_rank_killed_mid_wave_answers_its_requests_503_and_stops_the_engine(
+    demo_model_dir: Path,
+) -> None:
+    """Issue 61: with a follower rank killed mid-wave the in-flight request got uvicorn's
+    plain-text 500 after its 5 s shutdown grace, with two tracebacks. The leader answers it
+    (and anything queued) with a JSON 503 another replica can retry, and exits 1 in one
+    line."""
+    port = free_port()
+    server = Server(
+        launch_command(serve_command(demo_model_dir, port, "--data-parallel-size", "2")), port
+    )
+    try:
+        server.wait_ready()
+        in_flight: dict[str, requests.Response] = {}
+        slow = threading.Thread(
+            target=lambda: in_flight.setdefault("response", server.generate({"steps": 200}))
+        )
+        slow.start()
+        time.sleep(2)  # inside the slow request's denoising loop
+        (follower,) = [pid for pid in _children(server.process.pid) if _rank_of(pid) == 1]
+        os.kill(follower, signal.SIGKILL)
+        slow.join(timeout=120)
+        output = server.process.communicate(timeout=120)[0]  # the launcher ends by itself
+    finally:
+        server.stop()
+    answer = in_flight["response"]
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "5"
+    assert answer.json()["error"].startswith(
+        "the engine stopped: a rank of its group is gone (Connection closed by peer"
+    )
+    assert server.process.returncode == 1, output
+    assert "dlo-worker serve: error: the engine stopped" in output
+    assert "Traceback" not in output
+
+
+def _rank_of(pid: int) -> int:
+    environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (rank,) = [item[len(b"RANK=") :] for item in environment if item.startswith(b"RANK=")]
+    return int(rank)
+
+
 def test_a_drained_engine_exits_0_and_a_stop_while_loading_names_the_ranks(
     demo_model_dir: Path,
 ) -> None:

@@ -35,7 +35,7 @@ from dlo_worker.config import (
     runtime_lora_errors,
 )
 from dlo_worker.engine.request import GenerationRequest, LoraChoice, RequestDefaults
-from dlo_worker.errors import UserFixableError
+from dlo_worker.errors import EngineStoppedError, UserFixableError
 from dlo_worker.observability import logs
 from dlo_worker.process import numerics
 from dlo_worker.process.termination import write_termination_message
@@ -703,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         write_termination_message(line)
         return EXIT_USAGE
+    except EngineStoppedError as error:
+        line = f"dlo-worker {args.command}: error: {error}"
+        print(line, file=sys.stderr)
+        write_termination_message(line)
+        return 1
     except KeyboardInterrupt:
         return 130
 

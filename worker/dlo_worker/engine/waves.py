@@ -19,12 +19,18 @@ a watcher thread, even while a wave runs; the leader keeps taking waves until th
 empty, then broadcasts a stop message that every
 rank obeys. Followers ignore their own SIGTERM and wait for that message, because the
 leader's drain needs them.
+
+A rank that dies (``kill -9``, the OOM killer) fails the next collective of the control
+group on every other rank: the engine stops (:class:`~dlo_worker.errors.
+EngineStoppedError`), the leader first answering the requests of the wave and of the
+queue with that error (``503`` over HTTP, another replica can take them).
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -39,6 +45,7 @@ import torch.distributed as dist
 from dlo_worker.engine.generation import change_adapters, generate_images
 from dlo_worker.engine.request import AdapterChange, GenerationRequest, wave_key
 from dlo_worker.engine.stages import record_device_peak, stage_fields
+from dlo_worker.errors import EngineStoppedError
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline.lora import LoraSetupError
 
@@ -144,6 +151,13 @@ class Submission:
         """Commit to running the request; False if it was cancelled first."""
         return self.future.running() or self.future.set_running_or_notify_cancel()
 
+    def fail(self, error: Exception) -> None:
+        """Answer with ``error``, counted as a failed request (a change counts where its
+        route answers)."""
+        self.future.set_exception(error)
+        if isinstance(self.request, GenerationRequest):
+            metrics.REQUESTS.labels(outcome="failed").inc()
+
 
 class RequestQueue:
     """The leader's bounded FIFO between HTTP handler threads and the engine loop."""
@@ -209,6 +223,18 @@ class RequestQueue:
             metrics.QUEUE_DEPTH.set(len(self._pending))
             return taken, wave
 
+    def fail_pending(self, error: Exception) -> None:
+        """Close intake and answer every queued request with ``error``: the engine that
+        would have run them stopped."""
+        with self._changed:
+            self._open = False
+            while self._pending:
+                submission = self._pending.popleft()
+                if submission.future.set_running_or_notify_cancel():
+                    submission.fail(error)
+            metrics.QUEUE_DEPTH.set(0)
+            self._changed.notify_all()
+
     def drop_cancelled(self) -> int:
         """Drop and count the requests whose client went away; returns how many."""
         with self._changed:
@@ -239,7 +265,10 @@ class ControlChannel:
             assert wave is not None
             return wave
         box: list[Wave | None] = [wave]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+        except RuntimeError as error:
+            raise _rank_lost(error) from error
         received = box[0]
         if received is None:
             raise RuntimeError("rank 0 broadcast no wave; every follower waits for the leader's")
@@ -253,8 +282,22 @@ class ControlChannel:
         results: list[list[bytes] | str | None] | None = (
             [None] * self.world_size if is_leader else None
         )
-        dist.gather_object(result, results, dst=0, group=self._group)
+        try:
+            dist.gather_object(result, results, dst=0, group=self._group)
+        except RuntimeError as error:
+            raise _rank_lost(error) from error
         return results or []
+
+
+def _rank_lost(error: RuntimeError) -> EngineStoppedError:
+    """A failed control collective: some rank of the engine is gone (gloo says which
+    address closed; the launcher's log says which rank)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # gloo's "[.../pair.cc:561] Connection closed by peer [ADDR]:PORT. This is typically..."
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0][:200]
+    return EngineStoppedError(
+        f"the engine stopped: a rank of its group is gone ({reason}); retry the request"
+    )
 
 
 def encode_png(image: object) -> bytes:
@@ -336,25 +379,41 @@ class Engine:
                 target=self._close_intake_on_stop, name="dlo-intake-watcher", daemon=True
             ).start()
         waves_run = 0
-        while True:
-            taken, wave = self._next_wave()
-            wave = self.channel.broadcast(wave)
-            if wave.stop:
-                break
-            if wave.empty:
-                continue
-            waves_run += 1  # every rank counts the same broadcast waves
-            if wave.change is not None:
-                results = self.channel.gather(self._make_change(wave.change))
+        taken: list[Submission] = []
+        try:
+            while True:
+                taken, wave = self._next_wave()
+                wave = self.channel.broadcast(wave)
+                if wave.stop:
+                    break
+                if wave.empty:
+                    continue
+                waves_run += 1  # every rank counts the same broadcast waves
+                if wave.change is not None:
+                    results = self.channel.gather(self._make_change(wave.change))
+                    if self.is_leader:
+                        self._deliver_change(taken, wave.change, results)
+                    continue
+                started = time.monotonic()
+                result = self._run_lane(wave, waves_run)
+                results = self.channel.gather(result)
                 if self.is_leader:
-                    self._deliver_change(taken, wave.change, results)
-                continue
-            started = time.monotonic()
-            result = self._run_lane(wave, waves_run)
-            results = self.channel.gather(result)
+                    self._deliver(taken, wave, results, time.monotonic() - started)
+        except EngineStoppedError as error:
             if self.is_leader:
-                self._deliver(taken, wave, results, time.monotonic() - started)
+                self._fail_everything(taken, error)
+            raise
         logger.info("engine drained", extra={"fields": {"rank": self.rank}})
+
+    def _fail_everything(self, taken: list[Submission], error: EngineStoppedError) -> None:
+        """Answer the wave's requests and every queued one with ``error`` before the engine
+        stops, so no client waits for an answer that will not come."""
+        self._close_intake()
+        for submission in taken:
+            if not submission.future.done():
+                submission.fail(error)
+        if self.queue is not None:
+            self.queue.fail_pending(error)
 
     def _next_wave(self) -> tuple[list[Submission], Wave | None]:
         if not self.is_leader or self.queue is None:

@@ -51,6 +51,7 @@ from dlo_worker.engine.waves import (
     QueueFullError,
     RequestQueue,
 )
+from dlo_worker.errors import EngineStoppedError
 from dlo_worker.observability import metrics
 from dlo_worker.pipeline import lora
 from dlo_worker.serving.openai import IMAGES_PATH, ImagesRequest, error_body, images_response
@@ -462,6 +463,9 @@ async def _change(queue: RequestQueue, change: AdapterChange) -> None:
     except AdapterChangeError as error:
         metrics.LORA_CHANGES.labels(action=action, outcome="failed").inc()
         raise APIError(400, str(error)) from None
+    except EngineStoppedError as error:
+        metrics.LORA_CHANGES.labels(action=action, outcome="failed").inc()
+        raise APIError(503, str(error), headers=retry) from None
     metrics.LORA_CHANGES.labels(action=action, outcome="ok").inc()
     logger.info("lora adapters changed", extra={"fields": {"action": action, "name": change.name}})
 
@@ -592,6 +596,8 @@ async def _run(request: Request, queue: RequestQueue, generation: GenerationRequ
         return result.result()
     except GenerationFailedError as error:
         raise APIError(500, str(error)) from None
+    except EngineStoppedError as error:
+        raise APIError(503, str(error), headers=retry) from None
 
 
 async def _client_disconnect(request: Request) -> None:
