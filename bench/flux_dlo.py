@@ -21,6 +21,9 @@ loop runs them), each against the limit built from the resident step timed the s
 DLO starts copying the next step's first streamed blocks as a step ends; back to back
 these copies overlap the next step, synchronized they are waited for at the step's end.
 
+A row that fails (out of memory, say) is recorded as ``{"failed": "..."}`` with its
+reason and printed as such; the rows before and after it are kept.
+
 One GPU:   python bench/flux_dlo.py --resolutions 1024 2048 --budgets 4 8 12 16 20 24
 Two GPUs:  torchrun --nproc-per-node 2 bench/flux_dlo.py --resolutions 1024 --shard-buffers 2 4 6
            (DP=2 AllGather; each shard-ring depth against the same bound)
@@ -33,8 +36,11 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -222,6 +228,44 @@ def release(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
+def attempt(what: str, measure: Callable[[], Any], cleanup: Callable[[], None]) -> Any:
+    """``measure()``, or ``{"failed": reason}`` when it raises: one row's failure (out of
+    memory in the largest configuration, say) must not lose the rows measured before it.
+    ``cleanup`` runs once the failure's traceback, and the tensors its frames hold, are
+    gone."""
+    try:
+        return measure()
+    except Exception as error:  # any failure of a row is recorded, not raised
+        lines = str(error).strip().splitlines()
+        failure = {"failed": f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]}
+    print(f"# {what}: {failure['failed']}", file=sys.stderr)
+    cleanup()
+    return failure
+
+
+def failed(row: object) -> bool:
+    return isinstance(row, dict) and "failed" in row
+
+
+def resident_rows(
+    model: torch.nn.Module, inputs: dict, args: argparse.Namespace, device: torch.device
+) -> dict:
+    """Per size: the resident step (synchronized), its peak and its back-to-back step."""
+    rows = {}
+    for resolution in args.resolutions:
+        release(device)
+        rows[resolution] = attempt(
+            f"resident {resolution}x{resolution}",
+            lambda resolution=resolution: (
+                step_seconds(model, inputs[resolution], args.repeats),
+                peak_gib(device),
+                back_to_back_step_seconds(model, inputs[resolution], args.repeats),
+            ),
+            lambda: release(device),
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     from dlo_worker.offload import enable_dlo
 
@@ -251,14 +295,7 @@ def run(args: argparse.Namespace) -> dict:
 
     model = build_flux(device)
     inputs = {r: flux_inputs(r, device) for r in args.resolutions}
-    resident = {}
-    for resolution in args.resolutions:
-        release(device)
-        resident[resolution] = (
-            step_seconds(model, inputs[resolution], args.repeats),
-            peak_gib(device),
-            back_to_back_step_seconds(model, inputs[resolution], args.repeats),
-        )
+    resident = resident_rows(model, inputs, args, device)
 
     release(device)
     setup_started = time.perf_counter()
@@ -279,8 +316,16 @@ def run(args: argparse.Namespace) -> dict:
     for resolution in args.resolutions:
         release(device)
         bound_s = block_bytes / (world * bandwidth * 1e9) + gather_s
-        report["results"][resolution] = dlo_row(
-            model, inputs[resolution], args.repeats, resident[resolution], bound_s
+        if failed(resident[resolution]):
+            reason = resident[resolution]["failed"]
+            report["results"][resolution] = {"failed": f"resident: {reason}"}
+            continue
+        report["results"][resolution] = attempt(
+            f"DLO {resolution}x{resolution}",
+            lambda resolution=resolution, bound_s=bound_s, model=model: dlo_row(
+                model, inputs[resolution], args.repeats, resident[resolution], bound_s
+            ),
+            lambda: release(device),
         )
     stats = backend.stats()
     report["dlo"] = {
@@ -297,13 +342,20 @@ def run(args: argparse.Namespace) -> dict:
     del model, backend
     release(device)
 
+    def section(what: str, measure: Callable[[], Any]) -> Any:
+        return attempt(what, measure, lambda: release(device))
+
     if not distributed and args.budgets:
-        report["budgets"] = residency_curve(device, inputs, args, resident, bandwidth)
+        report["budgets"] = section(
+            "budgets", lambda: residency_curve(device, inputs, args, resident, bandwidth)
+        )
     if not distributed and not args.skip_diffusers:
         report["diffusers"] = diffusers_group_offload(device, inputs, args, report["results"])
         report["diffusers_model_offload"] = diffusers_model_cpu_offload(device, inputs, args)
     if distributed and args.shard_buffers:
-        report["shard_buffers"] = shard_ring_curve(device, inputs, args, resident, bandwidth)
+        report["shard_buffers"] = section(
+            "shard buffers", lambda: shard_ring_curve(device, inputs, args, resident, bandwidth)
+        )
     if distributed:
         dist.destroy_process_group()
     return report
@@ -462,16 +514,23 @@ def diffusers_group_offload(device, inputs, args, results) -> dict:
         peer[name] = {"setup_s": time.perf_counter() - started}
         for resolution in args.resolutions:
             release(device)
-            peer[name][resolution] = {
-                "step_s": step_seconds(model, inputs[resolution], args.repeats),
-                "peak_gib": peak_gib(device),
-            }
+            peer[name][resolution] = attempt(
+                f"diffusers {name} {resolution}x{resolution}",
+                lambda resolution=resolution, model=model: {
+                    "step_s": step_seconds(model, inputs[resolution], args.repeats),
+                    "peak_gib": peak_gib(device),
+                },
+                lambda: release(device),
+            )
         peer[name]["process_rss_gib"] = rss_gib()
         del model
         release(device)
     for resolution in args.resolutions:
-        best = min(PEER_CONFIGURATIONS, key=lambda name: peer[name][resolution]["step_s"])
+        measured = [name for name in PEER_CONFIGURATIONS if not failed(peer[name][resolution])]
         row = results[resolution]
+        if not measured or failed(row):
+            continue
+        best = min(measured, key=lambda name: peer[name][resolution]["step_s"])
         row["diffusers_best"] = best
         row["diffusers_s"] = peer[best][resolution]["step_s"]
         row["diffusers_peak_gib"] = peer[best][resolution]["peak_gib"]
@@ -493,8 +552,8 @@ def diffusers_model_cpu_offload(device, inputs, args) -> dict:
     model = build_flux(device).to("cpu")
     release(device)
     model, hook = cpu_offload_with_hook(model, device)
-    result: dict = {}
-    for resolution in args.resolutions:
+
+    def one_image(resolution: int, model: torch.nn.Module, hook: Any) -> dict:
         torch.cuda.synchronize()
         started = time.perf_counter()
         model(**inputs[resolution])
@@ -504,15 +563,44 @@ def diffusers_model_cpu_offload(device, inputs, args) -> dict:
         started = time.perf_counter()
         hook.offload()
         torch.cuda.synchronize()
-        result[resolution] = {
+        return {
             "first_step_s": first,
             "step_s": step,
             "move_out_s": time.perf_counter() - started,
             "peak_gib": peak_gib(device),
         }
+
+    def offload_and_release(hook: Any) -> None:
+        hook.offload()
+        release(device)
+
+    result: dict = {}
+    for resolution in args.resolutions:
+        result[resolution] = attempt(
+            f"diffusers model-level offload {resolution}x{resolution}",
+            lambda resolution=resolution, model=model, hook=hook: one_image(
+                resolution, model, hook
+            ),
+            lambda hook=hook: offload_and_release(hook),
+        )
     del model, hook
     release(device)
     return result
+
+
+def failures(report: dict) -> list[tuple[str, str]]:
+    """Every failed row of ``report``: where it sits, and why."""
+    found: list[tuple[str, str]] = []
+
+    def visit(where: str, node: object) -> None:
+        if failed(node):
+            found.append((where, node["failed"]))  # type: ignore[index]
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                visit(f"{where} {key}".strip(), value)
+
+    visit("", report)
+    return found
 
 
 def print_report(report: dict) -> None:
@@ -525,6 +613,8 @@ def print_report(report: dict) -> None:
             else ""
         )
     )
+    for what, failure in failures(report):
+        print(f"{what}: failed ({failure})")
     dlo = report["dlo"]
     print(
         f"# blocks {dlo['block_gib']:.2f} GiB; DLO host {dlo['host_gib']:.2f} GiB per rank, "
@@ -533,6 +623,8 @@ def print_report(report: dict) -> None:
         f"exposed wait {dlo['exposed_wait_s_per_block'] * 1e3:.2f} ms/block"
     )
     for resolution, row in report["results"].items():
+        if failed(row):
+            continue
         line = (
             f"{resolution}x{resolution}: resident {row['resident_s']:.3f} s "
             f"(peak {row['resident_peak_gib']:.1f} GiB) | bound {row['transfer_bound_s']:.3f} s "
@@ -554,16 +646,18 @@ def print_report(report: dict) -> None:
         steps = ", ".join(
             f"{r}x{r} {v['step_s']:.3f} s (peak {v['peak_gib']:.2f} GiB)"
             for r, v in peer.items()
-            if isinstance(v, dict)
+            if isinstance(v, dict) and not failed(v)
         )
         print(f"diffusers {name} (use_stream, record_stream): {steps}")
     for resolution, row in report.get("diffusers_model_offload", {}).items():
+        if failed(row):
+            continue
         print(
             f"diffusers model-level offload, {resolution}x{resolution}: step {row['step_s']:.3f} s"
             f" after a first step of {row['first_step_s']:.3f} s (moves the DiT in), move out "
             f"{row['move_out_s']:.3f} s per image (peak {row['peak_gib']:.1f} GiB)"
         )
-    for row in report.get("shard_buffers", []):
+    for row in [] if failed(report.get("shard_buffers")) else report.get("shard_buffers", []):
         print(
             f"AllGather, {row['shard_buffers']} shard buffers, "
             f"{row['resolution']}x{row['resolution']}: step {row['step_s']:.3f} s = "
@@ -572,7 +666,7 @@ def print_report(report: dict) -> None:
             f"(slots + shard buffers "
             f"{row['slot_and_shard_gib']:.2f} GiB, peak {row['peak_gib']:.1f} GiB)"
         )
-    for row in report.get("budgets", []):
+    for row in [] if failed(report.get("budgets")) else report.get("budgets", []):
         print(
             f"budget {row['budget_gib']:g} GiB, {row['resolution']}x{row['resolution']}: "
             f"{row['resident_blocks']} resident, {row['streamed_gib']:.2f} GiB streamed | "
