@@ -223,6 +223,8 @@ def test_an_allgather_engine_loads_and_unloads_adapters_on_every_rank_between_wa
     assert "truncated.safetensors: cannot load it (" in refused["truncated"].text
     assert refused["bad name"].status_code == 422
     assert "its rank is 8, above --max-lora-rank 4" in refused["rank"].text
+    # Named as the route's field, not as a --lora flag (issue 61).
+    assert refused["rank"].json()["error"].startswith("lora_path ")
     failed = ("outside", "missing", "truncated", "rank")
     assert all(refused[name].status_code == 400 for name in failed)
     for name, pngs in served.items():
