@@ -239,3 +239,20 @@ def test_fp8_weights_stream_from_the_runtime_cache_and_a_warm_start_reads_no_che
     hit = run_cached(mixed_model, tmp_path / "hit.png", tmp_path / "warmed", *fp8)
     assert attached(hit)[1] == "hit"
     assert digest(tmp_path / "hit.png") == digest(tmp_path / "resident.png")
+
+
+def test_scales_are_read_from_the_blocks_under_the_configured_block_paths() -> None:
+    """Issue 62: ``read_scales`` discovered the DiT without ``--dlo-block-paths``, so a DiT
+    whose blocks only those paths name failed at start under ``--quantization fp8``
+    (``DiscoveryError``)."""
+    model = nn.Module()
+    model.backbone = nn.Module()
+    model.backbone.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8)) for _ in range(2)])
+    paths = ["backbone.blocks"]
+    assert quantize_blocks_fp8(model, paths) == 2
+    layers = [layer for layer in model.modules() if isinstance(layer, Float8Linear)]
+    expected = [layer.weight_scale for layer in layers]
+    for layer in layers:  # as bound to a runtime-cache entry: the scale is only a buffer
+        layer.weight_scale = math.nan
+    read_scales(model, paths)
+    assert [layer.weight_scale for layer in layers] == expected

@@ -263,12 +263,13 @@ def quantized_skeleton(skeleton: nn.Module, block_paths: Sequence[str] | None = 
             setattr(parent, name, Float8Linear(child))
 
 
-def read_scales(model_or_pipeline: object) -> None:
+def read_scales(model_or_pipeline: object, block_paths: Sequence[str] | None = None) -> None:
     """Each :class:`Float8Linear`'s GEMM ``alpha`` from its ``scale`` buffer: for a DiT
     bound to a runtime-cache entry, once DLO has bound its tensors (before, they are meta
     and every ``alpha`` NaN, so a forward could only produce a refused image). Layers
-    quantized here already know theirs: their scale is not read back from the device."""
-    for dit in discover(model_or_pipeline).dits:
+    quantized here already know theirs: their scale is not read back from the device.
+    The DiTs are found as they were quantized (``block_paths``: ``--dlo-block-paths``)."""
+    for dit in discover(model_or_pipeline, block_paths).dits:
         for layer in dit.module.modules():
             if isinstance(layer, Float8Linear) and math.isnan(layer.weight_scale):
                 layer.weight_scale = layer.scale.item()

@@ -149,7 +149,7 @@ class Worker:
                 self.streaming_advisor = device_budget.StreamingAdvisor(plan)
         if self.config.model.quantization == Quantization.FP8:
             # A DiT bound to a runtime-cache entry has its scales only now.
-            quantization.read_scales(self.pipeline)
+            quantization.read_scales(self.pipeline, self.config.offload.dlo_block_paths)
         if self.config.parallel.sequence_parallel_size > 1:
             sequence_parallel.apply(
                 self.pipeline, self.config.parallel, self.device, DIT_COMPONENTS
