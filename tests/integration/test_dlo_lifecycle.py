@@ -256,3 +256,36 @@ def test_a_gpu_memory_budget_keeps_as_many_blocks_resident_as_fit() -> None:
     assert (stats.resident_blocks, stats.streamed_blocks) == (3, 3)
     with pytest.raises(OffloadSetupError, match="raise it to at least"):
         enable_dlo(plain_stack(blocks=6).model, device=CPU, gpu_memory_budget_gib=1e-6)
+
+
+def test_a_profiler_trace_names_each_blocks_streaming() -> None:
+    """Issue 62: a torch.profiler trace of a DLO forward showed no sign of which block was
+    loading or waited on. Each streamed block's steps are ranges named after it, nested as
+    they run: the load, the wait and the repoint inside ``pre_forward``."""
+    case = tiny_flux(0)
+    backend = enable_dlo(case.model, device=CPU, use_allgather=False)
+    try:
+        with torch.no_grad():
+            case.model(**case.inputs)  # learns the order: the next forward prefetches
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+                case.model(**case.inputs)
+    finally:
+        backend.disable()
+    ranges = [event for event in trace.events() if event.name.startswith("DLO::")]
+    names = {event.name for event in ranges}
+    # Named as the backend names them: the DiT (a bare model: "model"), then the block.
+    blocks = [f"model.transformer_blocks.{i}" for i in range(2)] + [
+        f"model.single_transformer_blocks.{i}" for i in range(3)
+    ]
+    for block in blocks:
+        for step in ("pre_forward", "wait", "repoint", "post_forward"):
+            assert f"DLO::{step} {block}" in names, (step, block)
+    # Prefetched: each block but the first is loaded while the one before it runs.
+    loads = [event.name for event in ranges if event.name.startswith("DLO::load ")]
+    assert loads.count("DLO::load model.transformer_blocks.1") == 1
+    pre = {event.name.split(" ", 1)[1]: event for event in ranges if "pre_forward" in event.name}
+    for event in ranges:
+        step, block = event.name.removeprefix("DLO::").split(" ", 1)
+        if step in ("wait", "repoint"):
+            outer = pre[block].time_range
+            assert outer.start <= event.time_range.start <= event.time_range.end <= outer.end

@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from dlo_worker.offload.block import StreamedBlock
 from dlo_worker.offload.compiling import eager
+from dlo_worker.offload.ranges import profiled
 from dlo_worker.offload.schedule import Prediction, Schedule
 from dlo_worker.offload.slots import SlotPair
 
@@ -106,6 +107,10 @@ class BlockHooks:
         slots.load(first, 1 - slots.last_used, upcoming=prediction.following)
 
     def before_block(self, block: StreamedBlock) -> None:
+        with profiled("pre_forward", block.name):
+            self._before_block(block)
+
+    def _before_block(self, block: StreamedBlock) -> None:
         slots, counters = self._slots, self._slots.counters
         started = time.perf_counter()
         with slots.exposed():
@@ -118,7 +123,8 @@ class BlockHooks:
             # Synchronous copies are fully exposed on the CPU.
             counters.exposed_wait_seconds += time.perf_counter() - started
             counters.waits += 1
-        block.materialize(slot_index)
+        with profiled("repoint", block.name):
+            block.materialize(slot_index)
 
     def _load_and_wait(self, block: StreamedBlock) -> tuple[int, Prediction]:
         """Load ``block`` unless prefetched, start the next load, and order compute after
@@ -144,6 +150,10 @@ class BlockHooks:
         """Release the slot and refill it at once with the block after next (the copy waits
         for the release on the copy stream). Runs even when the block's forward raised, so
         the slot is never left claimed."""
+        with profiled("post_forward", block.name):
+            self._after_block(block)
+
+    def _after_block(self, block: StreamedBlock) -> None:
         slot_index = self._slot_in_use.pop(block, None)
         prediction = self._predicted.pop(block, Prediction())
         block.to_placeholders()

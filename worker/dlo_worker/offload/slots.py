@@ -41,6 +41,7 @@ from dlo_worker.offload.block import (
     StreamedBlock,
     whole_buffers,
 )
+from dlo_worker.offload.ranges import profiled
 
 
 @dataclass
@@ -234,7 +235,12 @@ class SlotPair:
         """Start moving ``block`` into slot ``slot_index`` (asynchronous on CUDA);
         ``upcoming`` are the blocks expected after it, nearest first (a staging feed
         starts packing them once this copy is enqueued). The schedule decides both."""
-        slot = self.slots[slot_index]
+        with profiled("load", block.name):
+            self._load(block, self.slots[slot_index], upcoming)
+
+    def _load(
+        self, block: StreamedBlock, slot: DeviceSlot, upcoming: tuple[StreamedBlock, ...]
+    ) -> None:
         slot.move(
             SlotState.LOADING,
             allowed_from=(SlotState.RELEASED, SlotState.LOADING, SlotState.READY),
@@ -373,6 +379,12 @@ class SlotPair:
         buffer.block = None
 
     def _all_gather(self, block: StreamedBlock, buffer: ShardBuffer, slot: DeviceSlot) -> None:
+        with profiled("all_gather", block.name):
+            self._all_gather_dtypes(block, buffer, slot)
+
+    def _all_gather_dtypes(
+        self, block: StreamedBlock, buffer: ShardBuffer, slot: DeviceSlot
+    ) -> None:
         for dtype, arena_view in block.arena_views.items():
             shard = arena_view.numel()
             dist.all_gather_into_tensor(
@@ -386,10 +398,14 @@ class SlotPair:
         """The slot's block is about to run: order the current (compute) stream after its
         load (inside :meth:`exposed`, which times the stall); the slot is in use until
         :meth:`release`."""
-        slot = self.slots[slot_index]
-        block = slot.block
+        block = self.slots[slot_index].block
         if block is None:
             raise SlotStateError(f"slot {slot_index} holds no block to run")
+        with profiled("wait", block.name):
+            self._wait_ready(slot_index, block)
+
+    def _wait_ready(self, slot_index: int, block: StreamedBlock) -> None:
+        slot = self.slots[slot_index]
         slot.move(
             SlotState.IN_USE,
             allowed_from=(SlotState.LOADING, SlotState.READY, SlotState.RELEASED),
